@@ -1,0 +1,123 @@
+//! Hotel rooms: `hotels/<hotel_id>` with `dates.<date>.{rooms_available, price}`, and
+//! `hotel_bookings/<id>`.
+
+use serde_json::{Value, json};
+
+use crate::common::{
+    Args, Context, Plugin, Store, StoreExt, ToolError, ToolSpec, add_days, compensator_schema, count_of, from_cents,
+    nothing_to_undo, record_id, to_cents, undo_target, unknown_tool,
+};
+
+pub struct Hotel;
+
+impl Plugin for Hotel {
+    fn manifest() -> Vec<ToolSpec> {
+        vec![
+            ToolSpec::action(
+                "reserve",
+                "Reserves rooms for consecutive nights; returns the confirmation number and the hotel's address.",
+                json!({
+                    "type": "object",
+                    "properties": {
+                        "hotel_id": { "type": "string" },
+                        "check_in": { "type": "string" },
+                        "nights": { "type": "integer", "minimum": 1, "maximum": 60 },
+                        "rooms": { "type": "integer", "minimum": 1, "maximum": 20 },
+                        "guest": { "type": "string" }
+                    },
+                    "required": ["hotel_id", "check_in"]
+                }),
+                "cancel",
+            ),
+            ToolSpec::undo(
+                "cancel",
+                "Cancels a hotel booking and frees its rooms.",
+                compensator_schema("confirmationNumber"),
+            ),
+        ]
+    }
+
+    fn call(store: &mut dyn Store, tool: &str, args: &Value, ctx: &Context) -> Result<Value, ToolError> {
+        match tool {
+            "reserve" => reserve(store, args, ctx),
+            "cancel" => cancel(store, args),
+            other => Err(unknown_tool(other)),
+        }
+    }
+}
+
+fn nights_from(check_in: &str, nights: u64) -> Result<Vec<String>, ToolError> {
+    (0..nights as i64)
+        .map(|n| add_days(check_in, n))
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| ToolError::InvalidInput(format!("'{check_in}' is not a YYYY-MM-DD date")))
+}
+
+fn reserve(store: &mut dyn Store, args: &Value, ctx: &Context) -> Result<Value, ToolError> {
+    let a = Args(args);
+    let hotel_id = a.str("hotel_id")?;
+    let check_in = a.str("check_in")?;
+    let rooms = a.count("rooms", 1)?;
+    let nights = nights_from(check_in, a.count("nights", 1)?)?;
+    let id = record_id("H", &ctx.idempotency_key);
+    if let Some(existing) = store.doc("hotel_bookings", &id)? {
+        return Ok(confirmation(&existing));
+    }
+
+    let mut hotel = store.existing("hotels", hotel_id, "hotel")?;
+    let mut total = 0;
+    for night in &nights {
+        let day = hotel["dates"]
+            .get_mut(night.as_str())
+            .ok_or_else(|| ToolError::Rejected(format!("hotel {hotel_id} takes no bookings for {night}")))?;
+        let free = count_of(day, "rooms_available");
+        if free < rooms {
+            return Err(ToolError::Rejected(format!(
+                "hotel {hotel_id} has {free} rooms free on {night}, {rooms} asked"
+            )));
+        }
+        day["rooms_available"] = json!(free - rooms);
+        total += to_cents(&day["price"]).unwrap_or(0) * rooms as i64;
+    }
+    let booking = json!({
+        "booking_id": id,
+        "hotel_id": hotel_id,
+        "address": hotel["address"],
+        "nights": nights,
+        "rooms": rooms,
+        "guest": a.opt_str("guest"),
+        "total_price": from_cents(total),
+    });
+    store.put_doc("hotels", hotel_id, &hotel)?;
+    store.put_doc("hotel_bookings", &id, &booking)?;
+    Ok(confirmation(&booking))
+}
+
+fn confirmation(booking: &Value) -> Value {
+    json!({
+        "confirmationNumber": booking["booking_id"],
+        "address": booking["address"],
+        "hotel_id": booking["hotel_id"],
+        "nights": booking["nights"],
+        "total_price": booking["total_price"],
+    })
+}
+
+fn cancel(store: &mut dyn Store, args: &Value) -> Result<Value, ToolError> {
+    let id = undo_target(args, "confirmationNumber", "H")?;
+    let Some(booking) = store.doc("hotel_bookings", &id)? else {
+        return Ok(nothing_to_undo(&id));
+    };
+    let hotel_id = booking["hotel_id"].as_str().unwrap_or_default();
+    let rooms = count_of(&booking, "rooms");
+    if let Some(mut hotel) = store.doc("hotels", hotel_id)? {
+        for night in booking["nights"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+            if let Some(day) = hotel["dates"].get_mut(night) {
+                day["rooms_available"] = json!(count_of(day, "rooms_available") + rooms);
+            }
+        }
+        store.put_doc("hotels", hotel_id, &hotel)?;
+    }
+    store.delete("hotel_bookings", &id)?;
+    Ok(json!({ "undone": true, "id": id }))
+}

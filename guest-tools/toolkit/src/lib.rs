@@ -1,0 +1,132 @@
+//! The logic of sagabox's bundled tools, written against a small [`Store`] trait so that the
+//! same code runs inside a WebAssembly component (through the `sagabox:plugin` WIT imports)
+//! and natively (the host's benchmarks compare the two).
+//!
+//! Every side-effecting tool derives the ids of the records it creates from the call's
+//! idempotency key, so a second delivery of the same call finds its own record and changes
+//! nothing, and a compensator can find the effect of a call whose reply was lost.
+
+pub mod agents;
+pub mod airline;
+mod common;
+pub mod hotel;
+pub mod inventory;
+pub mod payment;
+pub mod rental;
+pub mod resources;
+pub mod shipping;
+
+pub use common::{Args, Context, Plugin, Store, StoreExt, ToolError, ToolSpec, compensator_schema};
+pub use serde_json::{Value, json};
+
+/// The bundled plugins by name, for hosts that run them natively.
+pub fn native_plugin(name: &str) -> Option<NativePlugin> {
+    Some(match name {
+        "agents" => NativePlugin::of::<agents::Agents>(),
+        "airline" => NativePlugin::of::<airline::Airline>(),
+        "hotel" => NativePlugin::of::<hotel::Hotel>(),
+        "inventory" => NativePlugin::of::<inventory::Inventory>(),
+        "payment" => NativePlugin::of::<payment::Payment>(),
+        "rental" => NativePlugin::of::<rental::Rental>(),
+        "resources" => NativePlugin::of::<resources::Resources>(),
+        "shipping" => NativePlugin::of::<shipping::Shipping>(),
+        _ => return None,
+    })
+}
+
+/// A plugin's two entry points as plain function pointers.
+#[derive(Clone, Copy)]
+pub struct NativePlugin {
+    pub manifest: fn() -> Vec<ToolSpec>,
+    pub call: fn(&mut dyn Store, &str, &Value, &Context) -> Result<Value, ToolError>,
+}
+
+impl NativePlugin {
+    fn of<P: Plugin>() -> Self {
+        NativePlugin { manifest: P::manifest, call: P::call }
+    }
+}
+
+/// Exports a [`Plugin`] as a `sagabox:plugin` component. Use it once, at the root of a
+/// `cdylib` crate that depends on `wit-bindgen`; `$wit` is the path of `wit/` relative to
+/// that crate.
+#[macro_export]
+macro_rules! export_plugin {
+    ($plugin:ty, $wit:literal) => {
+        ::wit_bindgen::generate!({ path: $wit, world: "plugin" });
+
+        use exports::sagabox::plugin::tool as wit_tool;
+        use sagabox::plugin::store as wit_store;
+
+        /// The host's store, seen through the toolkit's trait.
+        struct HostStore;
+
+        fn store_error(error: wit_store::StoreError) -> $crate::ToolError {
+            match error {
+                wit_store::StoreError::InvalidDocument(m) => $crate::ToolError::InvalidInput(m),
+                wit_store::StoreError::QuotaExceeded(m) => $crate::ToolError::Rejected(m),
+                wit_store::StoreError::Unavailable(m) => $crate::ToolError::Transient(m),
+            }
+        }
+
+        impl $crate::Store for HostStore {
+            fn get(&mut self, ns: &str, key: &str) -> Result<Option<String>, $crate::ToolError> {
+                wit_store::get(ns, key).map_err(store_error)
+            }
+            fn put(&mut self, ns: &str, key: &str, doc: &str) -> Result<(), $crate::ToolError> {
+                wit_store::put(ns, key, doc).map_err(store_error)
+            }
+            fn delete(&mut self, ns: &str, key: &str) -> Result<bool, $crate::ToolError> {
+                wit_store::delete(ns, key).map_err(store_error)
+            }
+            fn list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, $crate::ToolError> {
+                wit_store::list(ns, prefix).map_err(store_error)
+            }
+        }
+
+        struct Shell;
+
+        impl wit_tool::Guest for Shell {
+            fn manifest() -> Vec<wit_tool::ToolInfo> {
+                <$plugin as $crate::Plugin>::manifest()
+                    .into_iter()
+                    .map(|spec| wit_tool::ToolInfo {
+                        name: spec.name.to_string(),
+                        description: spec.description.to_string(),
+                        args_schema: spec.schema.to_string(),
+                        compensator: spec.compensator.map(str::to_string),
+                        side_effects: spec.side_effects,
+                    })
+                    .collect()
+            }
+
+            fn call(
+                name: String,
+                args: String,
+                context: wit_tool::CallContext,
+            ) -> Result<String, wit_tool::ToolError> {
+                let ctx = $crate::Context {
+                    saga_id: context.saga_id,
+                    step_id: context.step_id,
+                    attempt: context.attempt,
+                    idempotency_key: context.idempotency_key,
+                };
+                let outcome = $crate::parse_args(&args)
+                    .and_then(|args| <$plugin as $crate::Plugin>::call(&mut HostStore, &name, &args, &ctx));
+                match outcome {
+                    Ok(value) => Ok(value.to_string()),
+                    Err($crate::ToolError::InvalidInput(m)) => Err(wit_tool::ToolError::InvalidInput(m)),
+                    Err($crate::ToolError::Rejected(m)) => Err(wit_tool::ToolError::Rejected(m)),
+                    Err($crate::ToolError::Transient(m)) => Err(wit_tool::ToolError::Transient(m)),
+                }
+            }
+        }
+
+        export!(Shell);
+    };
+}
+
+/// Parses a call's JSON arguments.
+pub fn parse_args(text: &str) -> Result<Value, ToolError> {
+    serde_json::from_str(text).map_err(|e| ToolError::InvalidInput(format!("arguments are not JSON: {e}")))
+}

@@ -1,0 +1,135 @@
+//! The command line: argument parsing, output formatting and exit codes. Library errors
+//! become `anyhow` errors here, at the edge.
+//!
+//! Exit codes: 0 success; 1 the call or saga did not succeed (the output says why); 2 the
+//! command could not run (bad arguments, unreadable or invalid input, plugin load failure).
+
+mod call;
+mod plugins;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use sagabox::runtime::{Runtime, RuntimeOptions};
+
+/// A WebAssembly plugin host that runs sagas of sandboxed tool calls, rolls back failed
+/// ones, and verifies that every rollback restores the state.
+#[derive(Parser)]
+#[command(name = "sagabox", version, propagate_version = true)]
+struct Cli {
+    #[command(flatten)]
+    plugins: PluginArgs,
+
+    /// More log output on stderr (-v: debug, -vv: trace). SAGABOX_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Where plugins come from.
+#[derive(clap::Args, Clone)]
+pub struct PluginArgs {
+    /// Also load every *.wasm in DIR (with DIR/<name>.policy.toml as its policy). Repeatable.
+    #[arg(long = "plugins", value_name = "DIR", global = true)]
+    dirs: Vec<PathBuf>,
+
+    /// Do not load the bundled plugins.
+    #[arg(long, global = true)]
+    no_bundled: bool,
+
+    /// Cache compiled plugins in DIR [default: $XDG_CACHE_HOME/sagabox or ~/.cache/sagabox].
+    #[arg(long, value_name = "DIR", env = "SAGABOX_CACHE_DIR", global = true)]
+    cache_dir: Option<PathBuf>,
+
+    /// Compile every plugin afresh and cache nothing.
+    #[arg(long, global = true)]
+    no_cache: bool,
+}
+
+impl PluginArgs {
+    pub fn options(&self) -> RuntimeOptions {
+        let defaults = RuntimeOptions::default();
+        RuntimeOptions {
+            bundled: !self.no_bundled,
+            plugin_dirs: self.dirs.clone(),
+            cache_dir: if self.no_cache { None } else { self.cache_dir.clone().or(defaults.cache_dir) },
+            ..defaults
+        }
+    }
+
+    pub async fn load(&self) -> anyhow::Result<Runtime> {
+        Runtime::load(self.options()).await.context("cannot load the plugins")
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List the loaded plugins, their tools, compensators, SHA-256 and limits.
+    Plugins(plugins::Args),
+    /// Call one tool in a sandbox and print its JSON result.
+    Call(call::Args),
+}
+
+/// What a command reports back: success, or a failure the output already explained.
+pub enum Outcome {
+    Success,
+    Failure,
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Plugins(args) => plugins::run(&cli.plugins, args).await,
+            Command::Call(args) => call::run(&cli.plugins, args).await,
+        }
+    });
+    match result {
+        Ok(Outcome::Success) => ExitCode::SUCCESS,
+        Ok(Outcome::Failure) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SAGABOX_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Reads a JSON value given inline or as `@FILE` / a path to an existing file.
+pub fn json_arg(text: &str, what: &str) -> anyhow::Result<serde_json::Value> {
+    let path = text.strip_prefix('@').map(PathBuf::from).or_else(|| {
+        let p = PathBuf::from(text);
+        (!text.trim_start().starts_with(['{', '[', '"']) && p.is_file()).then_some(p)
+    });
+    let (source, body) = match path {
+        Some(path) => {
+            let body = std::fs::read_to_string(&path)
+                .with_context(|| format!("cannot read {what} file {}", path.display()))?;
+            (format!("{what} file {}", path.display()), body)
+        }
+        None => (what.to_string(), text.to_string()),
+    };
+    serde_json::from_str(&body).with_context(|| format!("{source} is not valid JSON"))
+}

@@ -1,0 +1,40 @@
+//! Run ids and idempotency keys.
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// The idempotency key of a call: lower-case hex SHA-256 over the run id, the step id, the
+/// tool and the canonical arguments, each length-prefixed so that no two different calls
+/// can produce the same input to the hash.
+pub fn idempotency_key(run_id: &str, step_id: &str, tool: &str, args: &Value) -> String {
+    let mut hasher = Sha256::new();
+    for part in [run_id, step_id, tool, &crate::json::canonical(args)] {
+        hasher.update((part.len() as u64).to_le_bytes());
+        hasher.update(part.as_bytes());
+    }
+    hex::encode(hasher.finalize())
+}
+
+/// A fresh run id: 16 random hex digits.
+pub fn new_run_id() -> String {
+    format!("{:016x}", rand::random::<u64>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn keys_depend_on_every_part_and_not_on_key_order() {
+        let k = idempotency_key("run", "flight", "airline.book", &json!({"a": 1, "b": 2}));
+        assert_eq!(k, idempotency_key("run", "flight", "airline.book", &json!({"b": 2, "a": 1})));
+        assert_ne!(k, idempotency_key("run2", "flight", "airline.book", &json!({"a": 1, "b": 2})));
+        assert_ne!(k, idempotency_key("run", "hotel", "airline.book", &json!({"a": 1, "b": 2})));
+        assert_ne!(k, idempotency_key("run", "flight", "airline.cancel", &json!({"a": 1, "b": 2})));
+        assert_ne!(k, idempotency_key("run", "flight", "airline.book", &json!({"a": 1})));
+        // Length prefixes: moving a character between parts changes the key.
+        assert_ne!(idempotency_key("ab", "c", "t", &json!(1)), idempotency_key("a", "bc", "t", &json!(1)));
+        assert_eq!(k.len(), 64);
+    }
+}

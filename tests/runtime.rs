@@ -1,0 +1,337 @@
+//! The plugin runtime through its public API: containment of hostile plugins, refusal of
+//! malformed ones, limits from policies and overrides, atomic writes, the compile cache.
+
+mod support;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use sagabox::runtime::{CallContext, CallError, CallOptions, CompileSource, LimitOverrides, Runtime, RuntimeOptions};
+use sagabox::store::MemoryStore;
+use serde_json::{Value, json};
+use support::*;
+
+fn context(key: &str) -> CallOptions {
+    CallOptions {
+        context: CallContext { saga_id: "test".into(), step_id: "s".into(), attempt: 1, idempotency_key: key.into() },
+        ..CallOptions::default()
+    }
+}
+
+fn with_limits(limits: LimitOverrides) -> CallOptions {
+    CallOptions { limits, ..context("k") }
+}
+
+/// Calls `hostile.<tool>` and returns its error, checking the store did not change and that
+/// the runtime still serves a well-behaved call afterwards.
+async fn contained(runtime: &Runtime, tool: &str, args: Value, options: CallOptions) -> CallError {
+    let store = MemoryStore::new(travel_state());
+    let before = store.snapshot().digest();
+    let started = Instant::now();
+    let outcome = runtime.call(&format!("hostile.{tool}"), &args, &options, &store).await;
+    assert!(started.elapsed() < Duration::from_secs(5), "hostile.{tool} was not stopped in time");
+    let error = outcome.result.expect_err(&format!("hostile.{tool} should fail"));
+    assert!(outcome.changes.is_empty(), "hostile.{tool} left writes behind");
+    assert_eq!(store.snapshot().digest(), before, "hostile.{tool} changed the store");
+    assert!(store.snapshot().namespace("scratch").is_none());
+    let next = runtime.call("airline.book", &book_args(1), &context("next"), &store).await;
+    assert!(next.result.is_ok(), "the call after hostile.{tool} failed: {:?}", next.result);
+    error
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_hostile_tool_is_contained_with_its_typed_error() {
+    let runtime = runtime().await;
+    let none = || with_limits(LimitOverrides::default());
+
+    let e = contained(&runtime, "spin", json!({}), none()).await;
+    assert!(matches!(&e, CallError::OutOfFuel { tool, fuel: 1_000_000_000 } if tool == "hostile.spin"), "{e}");
+
+    let spin_long = LimitOverrides { fuel: Some(u64::MAX / 2), deadline_ms: Some(150), ..Default::default() };
+    let e = contained(&runtime, "spin", json!({}), with_limits(spin_long)).await;
+    assert!(matches!(e, CallError::DeadlineExceeded { deadline_ms: 150, .. }), "{e}");
+
+    let e = contained(&runtime, "grow", json!({}), none()).await;
+    assert!(matches!(e, CallError::MemoryLimit { memory_mib: 64, .. }), "{e}");
+
+    let e = contained(&runtime, "recurse", json!({}), none()).await;
+    assert!(matches!(e, CallError::StackOverflow { stack_kib: 512, .. }), "{e}");
+
+    let e = contained(&runtime, "trap", json!({}), none()).await;
+    match &e {
+        CallError::Trap { message, backtrace, .. } => {
+            assert!(message.contains("panicked on purpose"), "{message}");
+            assert!(backtrace.contains("hostile.wasm"), "{backtrace}");
+        }
+        other => panic!("expected a trap, got {other}"),
+    }
+
+    let e = contained(&runtime, "flood", json!({}), none()).await;
+    assert!(matches!(e, CallError::OutputTooLarge { limit: 1_048_576, .. }), "{e}");
+
+    let e = contained(&runtime, "read_file", json!({ "path": "/etc/hostname" }), none()).await;
+    assert!(matches!(&e, CallError::AccessDenied { what, .. } if what.contains("filesystem")), "{e}");
+
+    let e = contained(&runtime, "connect", json!({ "address": "127.0.0.1:9" }), none()).await;
+    assert!(matches!(&e, CallError::AccessDenied { what, .. } if what.contains("network")), "{e}");
+
+    let e = contained(&runtime, "trespass", json!({ "namespace": "flights" }), none()).await;
+    assert!(matches!(&e, CallError::AccessDenied { what, .. } if what.contains("'flights'")), "{e}");
+
+    let sleep = LimitOverrides { deadline_ms: Some(200), ..Default::default() };
+    let started = Instant::now();
+    let e = contained(&runtime, "sleep", json!({ "seconds": 3600 }), with_limits(sleep)).await;
+    assert!(matches!(e, CallError::DeadlineExceeded { deadline_ms: 200, .. }), "{e}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_host_environment_never_reaches_a_plugin() {
+    assert!(std::env::var("PATH").is_ok());
+    let runtime = runtime().await;
+    let store = MemoryStore::new(travel_state());
+    let outcome = runtime.call("hostile.env", &json!({}), &context("k"), &store).await;
+    let output = outcome.result.unwrap();
+    assert_eq!(output["all"], json!({}), "the plugin saw host variables: {output}");
+    let named = runtime.call("hostile.env", &json!({ "name": "PATH" }), &context("k2"), &store).await;
+    assert!(matches!(named.result, Err(CallError::Rejected { .. })), "{:?}", named.result);
+}
+
+/// Puts a plugin file into a directory.
+type Setup = Box<dyn Fn(&Path)>;
+
+/// Copies a built plugin into `dir` under `name`.
+fn install(dir: &Path, artifact_name: &str, name: &str) {
+    std::fs::copy(artifact(artifact_name), dir.join(format!("{name}.wasm"))).unwrap();
+}
+
+async fn load_error(dir: &Path) -> String {
+    let options = RuntimeOptions { bundled: false, plugin_dirs: vec![dir.to_path_buf()], ..options() };
+    match Runtime::load(options).await {
+        Ok(_) => panic!("{} should not load", dir.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn malformed_plugins_are_rejected_naming_the_file_and_the_reason() {
+    let component = std::fs::read(artifact("hotel")).unwrap();
+    let cases: Vec<(&str, Setup, &str)> = vec![
+        (
+            "core",
+            Box::new(|d| std::fs::write(d.join("core.wasm"), b"\0asm\x01\0\0\0").unwrap()),
+            "core WebAssembly module",
+        ),
+        ("noise", Box::new(|d| std::fs::write(d.join("noise.wasm"), [7u8; 300]).unwrap()), "not a WebAssembly file"),
+        (
+            "half",
+            Box::new(move |d| std::fs::write(d.join("half.wasm"), &component[..component.len() / 2]).unwrap()),
+            "not a valid component",
+        ),
+        ("wrong_world", Box::new(|d| install(d, "wrong_world", "wrong_world")), "not a sagabox plugin"),
+        ("bad_schema", Box::new(|d| install(d, "bad_schema", "bad_schema")), "not a valid JSON Schema"),
+        ("bad_compensator", Box::new(|d| install(d, "bad_compensator", "bad_compensator")), "'unbook'"),
+        ("dup_tools", Box::new(|d| install(d, "dup_tools", "dup_tools")), "listed twice"),
+        ("Bad.Name", Box::new(|d| install(d, "hotel", "Bad.Name")), "not a valid plugin name"),
+    ];
+    for (name, setup, reason) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        setup(dir.path());
+        let message = load_error(dir.path()).await;
+        assert!(message.contains(&format!("{name}.wasm")), "{name}: the error does not name the file: {message}");
+        assert!(message.contains(reason), "{name}: expected '{reason}' in: {message}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_policies_and_name_clashes_are_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    install(dir.path(), "hotel", "inn");
+    std::fs::write(dir.path().join("inn.policy.toml"), "[limits]\nfule = 1\n").unwrap();
+    let message = load_error(dir.path()).await;
+    assert!(message.contains("inn.policy.toml") && message.contains("fule"), "{message}");
+
+    let dir = tempfile::tempdir().unwrap();
+    install(dir.path(), "hotel", "airline");
+    let options = RuntimeOptions { plugin_dirs: vec![dir.path().to_path_buf()], ..options() };
+    let message = Runtime::load(options).await.err().expect("a clash").to_string();
+    assert!(message.contains("two plugins are named 'airline'"), "{message}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fuel_used_by_the_same_call_is_the_same_every_time() {
+    let runtime = runtime().await;
+    let mut used = Vec::new();
+    for _ in 0..3 {
+        let store = MemoryStore::new(travel_state());
+        let outcome = runtime.call("airline.book", &book_args(1), &context("same-key"), &store).await;
+        assert!(outcome.result.is_ok(), "{:?}", outcome.result);
+        used.push(outcome.fuel_used);
+    }
+    assert!(used[0] > 0);
+    assert!(used.iter().all(|u| *u == used[0]), "fuel differs between runs: {used:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn policy_limits_and_per_call_overrides_take_effect() {
+    let dir = tempfile::tempdir().unwrap();
+    install(dir.path(), "hostile", "tight");
+    std::fs::write(
+        dir.path().join("tight.policy.toml"),
+        "[store]\nwrite = [\"scratch\"]\n[limits]\nfuel = 2000000\nmemory_mib = 16\nstack_kib = 128\n",
+    )
+    .unwrap();
+    let runtime = runtime_with(&[dir.path()]).await;
+    let store = MemoryStore::new(travel_state());
+    let call = |tool: &'static str, limits: LimitOverrides| {
+        let (runtime, store) = (&runtime, &store);
+        async move { runtime.call(tool, &json!({}), &with_limits(limits), store).await.result.unwrap_err() }
+    };
+    let none = LimitOverrides::default;
+
+    assert!(matches!(call("tight.spin", none()).await, CallError::OutOfFuel { fuel: 2_000_000, .. }));
+    let more = LimitOverrides { fuel: Some(3_000_000), ..none() };
+    assert!(matches!(call("tight.spin", more).await, CallError::OutOfFuel { fuel: 3_000_000, .. }));
+
+    // Filling 16 MiB takes more than the policy's 2M fuel: raise it to reach the memory cap.
+    let fueled = || LimitOverrides { fuel: Some(1_000_000_000), ..none() };
+    assert!(matches!(call("tight.grow", fueled()).await, CallError::MemoryLimit { memory_mib: 16, .. }));
+    let less = LimitOverrides { memory_mib: Some(4), ..fueled() };
+    assert!(matches!(call("tight.grow", less).await, CallError::MemoryLimit { memory_mib: 4, .. }));
+
+    assert!(matches!(call("tight.recurse", none()).await, CallError::StackOverflow { stack_kib: 128, .. }));
+    let deeper = LimitOverrides { stack_kib: Some(1024), ..none() };
+    assert!(matches!(call("tight.recurse", deeper).await, CallError::StackOverflow { stack_kib: 1024, .. }));
+
+    let small = LimitOverrides { output_kib: Some(1), ..none() };
+    let e = runtime.call("tight.flood", &json!({ "bytes": 2048 }), &with_limits(small), &store).await;
+    assert!(matches!(e.result, Err(CallError::OutputTooLarge { limit: 1024, .. })), "{:?}", e.result);
+    let fits = runtime.call("tight.flood", &json!({ "bytes": 2048 }), &context("k"), &store).await;
+    assert_eq!(fits.result.unwrap().as_str().map(str::len), Some(2048));
+
+    let impossible = LimitOverrides { memory_mib: Some(1 << 20), ..none() };
+    assert!(matches!(call("tight.grow", impossible).await, CallError::InvalidInput { .. }));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn writes_apply_atomically_and_only_on_success() {
+    let runtime = runtime().await;
+    let store = MemoryStore::new(travel_state());
+    let initial = store.snapshot();
+
+    let booked = runtime.call("airline.book", &book_args(2), &context("a"), &store).await;
+    let output = booked.result.unwrap();
+    assert_eq!(output["arrivalTime"], "2024-05-16T14:30:00");
+    let touched: Vec<_> = booked.changes.iter().map(|c| format!("{}/{}", c.namespace, c.key)).collect();
+    assert_eq!(
+        touched,
+        ["flights/HAT001".to_string(), format!("reservations/{}", output["confirmationNumber"].as_str().unwrap())]
+    );
+
+    let after_booking = store.snapshot().digest();
+    let refused = runtime.call("airline.book", &book_args(1), &context("b"), &store).await;
+    assert!(matches!(refused.result, Err(CallError::Rejected { .. })), "{:?}", refused.result);
+    assert_eq!(store.snapshot().digest(), after_booking);
+
+    let bad = runtime.call("airline.book", &json!({ "flight_number": 7 }), &context("c"), &store).await;
+    match bad.result {
+        Err(CallError::InvalidInput { message, .. }) => assert!(message.contains("schema"), "{message}"),
+        other => panic!("expected invalid input, got {other:?}"),
+    }
+
+    let cancel = json!({ "confirmationNumber": output["confirmationNumber"] });
+    runtime.call("airline.cancel", &cancel, &context("d"), &store).await.result.unwrap();
+    assert_eq!(store.snapshot().digest(), initial.digest(), "cancel did not restore the booking's state");
+    let again = runtime.call("airline.cancel", &cancel, &context("e"), &store).await.result.unwrap();
+    assert_eq!(again["reason"], "nothing to undo");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn store_access_is_limited_to_granted_namespaces() {
+    let dir = tempfile::tempdir().unwrap();
+    install(dir.path(), "airline", "readonly_air");
+    std::fs::write(dir.path().join("readonly_air.policy.toml"), "[store]\nread = [\"flights\", \"reservations\"]\n")
+        .unwrap();
+    let runtime = runtime_with(&[dir.path()]).await;
+    let store = MemoryStore::new(travel_state());
+    let search = json!({ "origin": "SFO", "destination": "JFK", "date": "2024-05-16" });
+    let found = runtime.call("readonly_air.search", &search, &context("s"), &store).await;
+    assert_eq!(found.result.unwrap()["flights"][0]["flight_number"], "HAT001");
+    let booked = runtime.call("readonly_air.book", &book_args(1), &context("b"), &store).await;
+    assert!(
+        matches!(&booked.result, Err(CallError::AccessDenied { what, .. }) if what.contains("'flights' is not granted for writing")),
+        "{:?}",
+        booked.result
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_calls_on_one_store_lose_no_update() {
+    let runtime = std::sync::Arc::new(runtime().await);
+    let store = std::sync::Arc::new(MemoryStore::new(travel_state()));
+    let mut tasks = Vec::new();
+    for i in 0..24 {
+        let (runtime, store) = (runtime.clone(), store.clone());
+        tasks.push(tokio::spawn(async move {
+            let args = json!({ "pool_id": "gpu", "amount": 2 });
+            runtime.call("resources.allocate", &args, &context(&format!("key-{i:02}")), &store).await
+        }));
+    }
+    let mut granted = 0;
+    for task in tasks {
+        if task.await.unwrap().result.is_ok() {
+            granted += 1;
+        }
+    }
+    assert_eq!(granted, 24);
+    let pool: Value = serde_json::from_str(&store.snapshot().get("pools", "gpu").unwrap().text).unwrap();
+    assert_eq!(pool["allocated"], 48);
+    assert_eq!(store.snapshot().namespace("allocations").unwrap().len(), 24);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn compiled_plugins_are_cached_and_a_bad_entry_is_a_miss() {
+    let cache = tempfile::tempdir().unwrap();
+    let options = || RuntimeOptions { cache_dir: Some(cache.path().to_path_buf()), ..RuntimeOptions::default() };
+    let first = Runtime::load(options()).await.unwrap();
+    assert!(first.plugins().all(|p| p.compiled == CompileSource::Compiled));
+    drop(first);
+    let second = Runtime::load(options()).await.unwrap();
+    assert!(second.plugins().all(|p| p.compiled == CompileSource::Cached));
+    let hotel_sha = second.plugin("hotel").unwrap().sha256.clone();
+    drop(second);
+
+    let entry = std::fs::read_dir(cache.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with(&hotel_sha))
+        .expect("a cache entry for hotel");
+    std::fs::write(&entry, b"not a compiled component").unwrap();
+    let third = Runtime::load(options()).await.unwrap();
+    assert_eq!(third.plugin("hotel").unwrap().compiled, CompileSource::Compiled);
+    assert_eq!(third.plugin("airline").unwrap().compiled, CompileSource::Cached);
+    let store = MemoryStore::new(sagabox::store::State::default());
+    let e = third
+        .call("hotel.reserve", &json!({ "hotel_id": "nowhere", "check_in": "2024-05-16" }), &context("k"), &store)
+        .await;
+    assert!(matches!(e.result, Err(CallError::Rejected { .. })), "{:?}", e.result);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_readme_example_plugin_loads_and_undoes_its_effect() {
+    let dir = tempfile::tempdir().unwrap();
+    install(dir.path(), "minimal", "notes");
+    std::fs::write(dir.path().join("notes.policy.toml"), "[store]\nwrite = [\"notes\"]\n").unwrap();
+    let runtime = runtime_with(&[dir.path()]).await;
+    let store = MemoryStore::new(travel_state());
+    let initial = store.snapshot().digest();
+    let key = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let added = runtime.call("notes.add", &json!({ "text": "hi" }), &context(key), &store).await;
+    assert_eq!(added.result.unwrap()["id"], "note-0123456789ab");
+    assert_eq!(&*store.snapshot().get("notes", "note-0123456789ab").unwrap().text, r#"{"text":"hi"}"#);
+    // As a compensator whose forward reply was lost: only the forward key is known.
+    let undo = json!({ "forward": { "arguments": { "text": "hi" }, "output": null, "idempotency_key": key } });
+    let removed = runtime.call("notes.remove", &undo, &context("undo"), &store).await;
+    assert_eq!(removed.result.unwrap()["removed"], true);
+    assert_eq!(store.snapshot().digest(), initial);
+}

@@ -1,0 +1,59 @@
+//! Shared helpers for the end-to-end tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use sagabox::runtime::{Runtime, RuntimeOptions};
+use sagabox::store::State;
+use serde_json::{Value, json};
+
+/// A compile cache shared by the tests of one test binary, so only the first load compiles.
+pub fn shared_cache() -> PathBuf {
+    static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
+    DIR.get_or_init(|| tempfile::tempdir().expect("temp dir")).path().to_path_buf()
+}
+
+/// Where the build put every guest `.wasm`, the malformed test plugins included.
+pub fn artifact(name: &str) -> PathBuf {
+    Path::new(env!("SAGABOX_GUEST_ARTIFACTS")).join(format!("{name}.wasm"))
+}
+
+pub fn options() -> RuntimeOptions {
+    RuntimeOptions { cache_dir: Some(shared_cache()), ..RuntimeOptions::default() }
+}
+
+/// The bundled plugins, plus those in `dirs`.
+pub async fn runtime_with(dirs: &[&Path]) -> Runtime {
+    let options = RuntimeOptions { plugin_dirs: dirs.iter().map(|d| d.to_path_buf()).collect(), ..options() };
+    Runtime::load(options).await.expect("plugins load")
+}
+
+pub async fn runtime() -> Runtime {
+    runtime_with(&[]).await
+}
+
+/// A small store for the bundled tools.
+pub fn travel_state() -> State {
+    State::from_json(&json!({
+        "flights": {
+            "HAT001": {
+                "flight_number": "HAT001", "origin": "SFO", "destination": "JFK",
+                "scheduled_departure_time_est": "06:00:00", "scheduled_arrival_time_est": "14:30:00",
+                "dates": {
+                    "2024-05-16": {
+                        "status": "available",
+                        "available_seats": { "basic_economy": 0, "economy": 2, "business": 1 },
+                        "prices": { "basic_economy": 99, "economy": 180.5, "business": 900 }
+                    }
+                }
+            }
+        },
+        "pools": { "gpu": { "capacity": 50, "allocated": 0 } }
+    }))
+    .expect("valid state")
+}
+
+pub fn book_args(passengers: u64) -> Value {
+    json!({ "flight_number": "HAT001", "date": "2024-05-16", "cabin": "economy", "passengers": passengers })
+}
