@@ -4,6 +4,7 @@
 //! Exit codes: 0 success; 1 the call or saga did not succeed (the output says why); 2 the
 //! command could not run (bad arguments, unreadable or invalid input, plugin load failure).
 
+mod bench;
 mod call;
 mod plugins;
 
@@ -72,6 +73,8 @@ enum Command {
     Plugins(plugins::Args),
     /// Call one tool in a sandbox and print its JSON result.
     Call(call::Args),
+    /// Measure plugin loading and per-call costs; prints numbers.
+    Bench(bench::Args),
 }
 
 /// What a command reports back: success, or a failure the output already explained.
@@ -94,6 +97,7 @@ pub fn main() -> ExitCode {
         match cli.command {
             Command::Plugins(args) => plugins::run(&cli.plugins, args).await,
             Command::Call(args) => call::run(&cli.plugins, args).await,
+            Command::Bench(args) => bench::run(&cli.plugins, args).await,
         }
     });
     match result {

@@ -428,6 +428,11 @@ impl Runtime {
     }
 }
 
+/// The bytes of a bundled plugin.
+pub fn bundled_wasm(name: &str) -> Option<&'static [u8]> {
+    crate::bundled::BUNDLED.iter().find(|p| p.name == name).map(|p| p.wasm)
+}
+
 /// `*.wasm` files of `dir`, sorted.
 fn wasm_files(dir: &std::path::Path) -> std::io::Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
