@@ -57,3 +57,8 @@ pub fn travel_state() -> State {
 pub fn book_args(passengers: u64) -> Value {
     json!({ "flight_number": "HAT001", "date": "2024-05-16", "cabin": "economy", "passengers": passengers })
 }
+
+/// The repository's `sagas/` directory.
+pub fn sagas_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../sagas")
+}

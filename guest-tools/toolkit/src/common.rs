@@ -46,11 +46,17 @@ pub trait StoreExt: Store {
     }
 
     fn put_doc(&mut self, ns: &str, key: &str, doc: &Value) -> Result<(), ToolError> {
-        self.put(ns, key, &doc.to_string())
+        self.put(ns, key, &to_json(doc))
     }
 }
 
 impl<S: Store + ?Sized> StoreExt for S {}
+
+/// `value` as JSON text. (`serde_json::to_string` writes straight into a buffer; `Display`
+/// goes through `core::fmt` a token at a time, several times slower in wasm.)
+pub fn to_json(value: &Value) -> String {
+    serde_json::to_string(value).unwrap_or_default()
+}
 
 /// One tool as its plugin's manifest describes it.
 #[derive(Debug, Clone)]

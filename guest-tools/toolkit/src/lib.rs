@@ -16,7 +16,7 @@ pub mod rental;
 pub mod resources;
 pub mod shipping;
 
-pub use common::{Args, Context, Plugin, Store, StoreExt, ToolError, ToolSpec, compensator_schema};
+pub use common::{Args, Context, Plugin, Store, StoreExt, ToolError, ToolSpec, compensator_schema, to_json};
 pub use serde_json::{Value, json};
 
 /// The bundled plugins by name, for hosts that run them natively.
@@ -93,7 +93,7 @@ macro_rules! export_plugin {
                     .map(|spec| wit_tool::ToolInfo {
                         name: spec.name.to_string(),
                         description: spec.description.to_string(),
-                        args_schema: spec.schema.to_string(),
+                        args_schema: $crate::to_json(&spec.schema),
                         compensator: spec.compensator.map(str::to_string),
                         side_effects: spec.side_effects,
                     })
@@ -114,7 +114,7 @@ macro_rules! export_plugin {
                 let outcome = $crate::parse_args(&args)
                     .and_then(|args| <$plugin as $crate::Plugin>::call(&mut HostStore, &name, &args, &ctx));
                 match outcome {
-                    Ok(value) => Ok(value.to_string()),
+                    Ok(value) => Ok($crate::to_json(&value)),
                     Err($crate::ToolError::InvalidInput(m)) => Err(wit_tool::ToolError::InvalidInput(m)),
                     Err($crate::ToolError::Rejected(m)) => Err(wit_tool::ToolError::Rejected(m)),
                     Err($crate::ToolError::Transient(m)) => Err(wit_tool::ToolError::Transient(m)),

@@ -6,7 +6,10 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use serde_json::json;
 
+use std::sync::Arc;
+
 use sagabox::runtime::{CallContext, CallOptions, EngineOptions, Runtime, RuntimeOptions};
+use sagabox::saga::{self, MemoryBackend, RunOptions, Saga, Status};
 use sagabox::store::{MemoryStore, State};
 
 /// One measured quantity.
@@ -108,11 +111,81 @@ pub async fn per_call(calls: usize, cache_dir: Option<&Path>) -> anyhow::Result<
     Ok(out)
 }
 
+/// Sagas per second, each on a fresh copy of its fixture, `concurrency` in flight at once.
+pub struct Throughput {
+    pub name: String,
+    pub per_second: f64,
+    pub latency: Measurement,
+}
+
+pub async fn saga_throughput(
+    runtime: Arc<Runtime>,
+    saga: Arc<Saga>,
+    state: State,
+    input: serde_json::Value,
+    sagas: usize,
+    concurrency: usize,
+    expect: Status,
+) -> anyhow::Result<Throughput> {
+    let per_task = sagas.div_ceil(concurrency);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for t in 0..concurrency {
+        let (runtime, saga, state, input) = (runtime.clone(), saga.clone(), state.clone(), input.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(per_task);
+            for i in 0..per_task {
+                let backend = MemoryBackend::new(state.clone());
+                let options = RunOptions::new(format!("bench-{t}-{i}"), input.clone());
+                let begun = Instant::now();
+                let report = saga::run(&runtime, &saga, &backend, options).await;
+                latencies.push(begun.elapsed());
+                if report.status != expect {
+                    anyhow::bail!("saga ended {:?}, not {expect:?}: {:?}", report.status, report.error);
+                }
+            }
+            Ok(latencies)
+        }));
+    }
+    let mut latencies = Vec::new();
+    for task in tasks {
+        latencies.extend(task.await??);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let count = latencies.len();
+    let name = format!("{} x{count}, {concurrency} in flight", saga.name);
+    Ok(Throughput {
+        per_second: count as f64 / elapsed,
+        latency: Measurement::from_samples(format!("{name}: latency"), latencies),
+        name,
+    })
+}
+
+/// Loads a shipped saga with its fixture and input.
+pub fn shipped_saga(runtime: &Runtime, dir: &Path, name: &str) -> anyhow::Result<(Saga, State, serde_json::Value)> {
+    let saga = Saga::load(&dir.join(format!("{name}.json")), runtime)?;
+    let state = match &saga.companions.fixture {
+        Some(path) => sagabox::store::fixture::load(path)?,
+        None => State::default(),
+    };
+    let input = match &saga.companions.input {
+        Some(path) => serde_json::from_str(&std::fs::read_to_string(path)?)?,
+        None => json!({}),
+    };
+    Ok((saga, state, input))
+}
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Calls per configuration.
     #[arg(long, default_value_t = 5000)]
     calls: usize,
+    /// Sagas per throughput measurement.
+    #[arg(long, default_value_t = 20000)]
+    sagas: usize,
+    /// Where the shipped sagas are.
+    #[arg(long, default_value = "sagas")]
+    sagas_dir: std::path::PathBuf,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -123,8 +196,30 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
     let airline = sagabox::runtime::bundled_wasm("airline").ok_or_else(|| anyhow::anyhow!("no bundled airline"))?;
     let mut results = plugin_load(airline, 5).await?;
     results.extend(per_call(args.calls, cache.as_deref()).await?);
+    let runtime = Arc::new(plugin_args.load().await?);
+    let mut throughputs = Vec::new();
+    for (name, expect) in [("ct1-payment-failure", Status::Failed), ("travel", Status::Completed)] {
+        let (saga, state, input) = shipped_saga(&runtime, &args.sagas_dir, name)?;
+        let saga = Arc::new(saga);
+        for concurrency in [1, 64] {
+            let t = saga_throughput(
+                runtime.clone(),
+                saga.clone(),
+                state.clone(),
+                input.clone(),
+                args.sagas,
+                concurrency,
+                expect,
+            )
+            .await?;
+            results.push(t.latency.clone());
+            throughputs.push(t);
+        }
+    }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&results)?);
+        let rates: Vec<_> =
+            throughputs.iter().map(|t| json!({ "name": t.name, "sagas_per_second": t.per_second })).collect();
+        println!("{}", serde_json::to_string_pretty(&json!({ "measurements": results, "throughput": rates }))?);
     } else {
         let mut table = comfy_table::Table::new();
         table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header([
@@ -135,6 +230,12 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
         ]);
         for m in &results {
             table.add_row([m.name.clone(), format_us(m.median_us), format_us(m.p90_us), m.samples.to_string()]);
+        }
+        println!("{table}");
+        let mut table = comfy_table::Table::new();
+        table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(["sagas", "per second"]);
+        for t in &throughputs {
+            table.add_row([t.name.clone(), format!("{:.0}", t.per_second)]);
         }
         println!("{table}");
     }

@@ -7,6 +7,7 @@
 mod bench;
 mod call;
 mod plugins;
+mod run;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -73,6 +74,10 @@ enum Command {
     Plugins(plugins::Args),
     /// Call one tool in a sandbox and print its JSON result.
     Call(call::Args),
+    /// Run a saga; on failure, compensate the completed steps.
+    Run(run::RunArgs),
+    /// Check sagas against the loaded plugins without running them.
+    Validate(run::ValidateArgs),
     /// Measure plugin loading and per-call costs; prints numbers.
     Bench(bench::Args),
 }
@@ -97,6 +102,8 @@ pub fn main() -> ExitCode {
         match cli.command {
             Command::Plugins(args) => plugins::run(&cli.plugins, args).await,
             Command::Call(args) => call::run(&cli.plugins, args).await,
+            Command::Run(args) => run::run(&cli.plugins, args).await,
+            Command::Validate(args) => run::validate(&cli.plugins, args).await,
             Command::Bench(args) => bench::run(&cli.plugins, args).await,
         }
     });

@@ -8,8 +8,8 @@ use serde::Serialize;
 /// A plugin that could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("cannot read plugin {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    #[error("cannot read plugin {path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: not a WebAssembly file (it does not start with the \\0asm magic number)")]
     NotWasm { path: PathBuf },
     #[error(
@@ -29,8 +29,8 @@ pub enum LoadError {
     InvalidName { path: PathBuf, name: String },
     #[error("two plugins are named '{name}': {first} and {second}")]
     DuplicateName { name: String, first: PathBuf, second: PathBuf },
-    #[error("cannot read plugin directory {path}: {source}")]
-    Directory { path: PathBuf, source: std::io::Error },
+    #[error("cannot read plugin directory {path}: {error}")]
+    Directory { path: PathBuf, error: std::io::Error },
     #[error("cannot set up the WebAssembly engine: {0}")]
     Engine(String),
 }

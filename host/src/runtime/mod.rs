@@ -157,7 +157,7 @@ impl Runtime {
                         }
                     }
                 }
-                Err(source) => errors.push(LoadError::Directory { path: dir.clone(), source }),
+                Err(error) => errors.push(LoadError::Directory { path: dir.clone(), error }),
             }
         }
         for source in sources {
@@ -364,12 +364,10 @@ impl Runtime {
                 Err(CallError::DeadlineExceeded { tool: qualified.into(), deadline_ms: limits.deadline_ms })
             }
             Ok(Err(e)) => Err(classify(qualified, e, &store, limits)),
+            // An injected fault that found no store write to fire at fires at the return.
+            Ok(Ok(_)) if store.data().armed.is_some() => Err(injected(qualified, fault_of(&store), limits)),
             Ok(Ok(Err(tool_error))) => Err(tool_failure(qualified, tool_error)),
-            Ok(Ok(Ok(output))) => match store.data().armed {
-                // An injected fault that found no store write to fire at fires at the return.
-                Some(fault) => Err(injected(qualified, fault, limits)),
-                None => parse_output(qualified, &output, limits),
-            },
+            Ok(Ok(Ok(output))) => parse_output(qualified, &output, limits),
         };
         *txn = std::mem::replace(&mut store.data_mut().txn, Txn::new(State::default(), limits.write_quota()));
         outcome
@@ -451,6 +449,10 @@ fn tool_failure(tool: &str, error: bindings::exports::sagabox::plugin::tool::Too
         E::Rejected(message) => CallError::Rejected { tool, message },
         E::Transient(message) => CallError::Transient { tool, message },
     }
+}
+
+fn fault_of(store: &Store<CallState>) -> InjectedFault {
+    store.data().armed.unwrap_or(InjectedFault::Trap)
 }
 
 fn injected(tool: &str, fault: InjectedFault, limits: &Limits) -> CallError {

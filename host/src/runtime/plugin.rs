@@ -131,13 +131,13 @@ impl Source {
         if !valid_name(&name) {
             return Err(LoadError::InvalidName { path: path.to_path_buf(), name });
         }
-        let wasm = std::fs::read(path).map_err(|source| LoadError::Io { path: path.to_path_buf(), source })?;
+        let wasm = std::fs::read(path).map_err(|error| LoadError::Io { path: path.to_path_buf(), error })?;
         let policy_path = path.with_file_name(format!("{name}.policy.toml"));
         let policy = match std::fs::read_to_string(&policy_path) {
             Ok(text) => Policy::parse(&text, policy_path.parent())
                 .map_err(|reason| LoadError::InvalidPolicy { path: policy_path.clone(), reason })?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Policy::default(),
-            Err(source) => return Err(LoadError::Io { path: policy_path, source }),
+            Err(error) => return Err(LoadError::Io { path: policy_path, error }),
         };
         Ok(Source { name, origin: Origin::File(path.to_path_buf()), wasm: wasm.into(), policy })
     }

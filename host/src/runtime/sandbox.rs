@@ -169,11 +169,11 @@ pub(crate) mod determinism {
         }
     }
 
-    /// Random bytes: 4 KiB derived from the seed, repeated.
+    /// Random bytes: 256 bytes derived from the seed, repeated (made per call, so kept small).
     pub fn rng(seed: u64) -> Deterministic {
-        let mut bytes = Vec::with_capacity(4096);
+        let mut bytes = Vec::with_capacity(256);
         let mut block: [u8; 32] = Sha256::digest(seed.to_le_bytes()).into();
-        while bytes.len() < 4096 {
+        while bytes.len() < 256 {
             bytes.extend_from_slice(&block);
             block = Sha256::digest(block).into();
         }

@@ -13,17 +13,17 @@ use super::State;
 /// Why a fixture could not be loaded; always names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum FixtureError {
-    #[error("cannot read fixture {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
-    #[error("fixture {path} is not valid JSON: {source}")]
-    Json { path: PathBuf, source: serde_json::Error },
+    #[error("cannot read fixture {path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
+    #[error("fixture {path} is not valid JSON: {error}")]
+    Json { path: PathBuf, error: serde_json::Error },
     #[error("fixture {path}: {reason}")]
     Shape { path: PathBuf, reason: String },
 }
 
 /// Loads the state a fixture file or directory describes.
 pub fn load(path: &Path) -> Result<State, FixtureError> {
-    let io = |source| FixtureError::Io { path: path.to_path_buf(), source };
+    let io = |error| FixtureError::Io { path: path.to_path_buf(), error };
     let value = if path.is_dir() {
         let mut namespaces = Map::new();
         let mut files: Vec<PathBuf> = std::fs::read_dir(path)
@@ -44,8 +44,8 @@ pub fn load(path: &Path) -> Result<State, FixtureError> {
 }
 
 fn read_json(path: &Path) -> Result<Value, FixtureError> {
-    let text = std::fs::read_to_string(path).map_err(|source| FixtureError::Io { path: path.to_path_buf(), source })?;
-    serde_json::from_str(&text).map_err(|source| FixtureError::Json { path: path.to_path_buf(), source })
+    let text = std::fs::read_to_string(path).map_err(|error| FixtureError::Io { path: path.to_path_buf(), error })?;
+    serde_json::from_str(&text).map_err(|error| FixtureError::Json { path: path.to_path_buf(), error })
 }
 
 #[cfg(test)]

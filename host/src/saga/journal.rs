@@ -1,0 +1,145 @@
+//! The event journal of a saga run: every event with run id, step, tool, attempt,
+//! idempotency key, duration and replayed flag. Written as JSON Lines.
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::runtime::{CallError, FailureKind};
+
+/// What happened.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EventKind {
+    SagaStarted,
+    StepStarted,
+    StepCompleted,
+    StepFailed,
+    StepRetried,
+    CompensationTriggered,
+    CompensationStarted,
+    CompensationCompleted,
+    CompensationFailed,
+    CompensationRetried,
+    SagaFinished,
+}
+
+/// A failure as the journal and reports record it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorInfo {
+    /// `rejected`, `out_of_fuel`, `binding`, `lost_response`, ...
+    pub code: String,
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+impl From<&CallError> for ErrorInfo {
+    fn from(e: &CallError) -> Self {
+        ErrorInfo { code: e.code().to_string(), kind: e.kind(), message: e.to_string() }
+    }
+}
+
+/// One journal record.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    /// Position in the run's journal, from 0.
+    pub seq: u64,
+    pub run_id: String,
+    pub event: EventKind,
+    /// Microseconds since the run started (wall clock; left out of reproducible reports).
+    pub at_us: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_us: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replayed: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorInfo>,
+    /// Arguments (started events) or output (completed events).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
+}
+
+impl Event {
+    /// An event of `kind` with nothing but its kind filled in.
+    pub fn new(kind: EventKind) -> Event {
+        Event {
+            seq: 0,
+            run_id: String::new(),
+            event: kind,
+            at_us: 0,
+            step: None,
+            tool: None,
+            attempt: None,
+            idempotency_key: None,
+            duration_us: None,
+            replayed: None,
+            error: None,
+            data: None,
+        }
+    }
+
+    pub fn step(mut self, step: &str, tool: &str) -> Event {
+        self.step = Some(step.to_string());
+        self.tool = Some(tool.to_string());
+        self
+    }
+
+    pub fn attempt(mut self, attempt: u32, key: &str) -> Event {
+        self.attempt = Some(attempt);
+        self.idempotency_key = Some(key.to_string());
+        self
+    }
+
+    pub fn error(mut self, error: ErrorInfo) -> Event {
+        self.error = Some(error);
+        self
+    }
+
+    pub fn data(mut self, data: Value) -> Event {
+        self.data = Some(data);
+        self
+    }
+}
+
+/// Where events go as they happen, besides the run's report.
+pub trait JournalSink: Send + Sync {
+    fn append(&self, events: &[Event]);
+}
+
+/// A JSON Lines file, flushed after every batch so that a crash loses no recorded event.
+pub struct JsonLinesFile {
+    file: Mutex<std::fs::File>,
+}
+
+impl JsonLinesFile {
+    pub fn create(path: &Path) -> std::io::Result<JsonLinesFile> {
+        Ok(JsonLinesFile { file: Mutex::new(std::fs::File::create(path)?) })
+    }
+}
+
+impl JournalSink for JsonLinesFile {
+    fn append(&self, events: &[Event]) {
+        let mut text = String::new();
+        for event in events {
+            if let Ok(line) = serde_json::to_string(event) {
+                text.push_str(&line);
+                text.push('\n');
+            }
+        }
+        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = file.write_all(text.as_bytes()).and_then(|_| file.flush()) {
+            tracing::error!("cannot write the journal: {e}");
+        }
+    }
+}

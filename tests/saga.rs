@@ -1,0 +1,568 @@
+//! The saga engine, steno-style: a failure injected at every step of every shipped saga
+//! fails the saga there, compensates each completed step exactly once in a valid order, and
+//! restores the state; undo and redo twice change nothing; time-outs, binding failures,
+//! failing compensators and DAGs behave.
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use sagabox::runtime::{CallContext, CallOptions, Runtime};
+use sagabox::saga::journal::EventKind;
+use sagabox::saga::{self, Fault, FaultPlan, MemoryBackend, Phase, RunOptions, RunReport, Saga, Status, StepStatus};
+use sagabox::store::{MemoryStore, State, fixture};
+use serde_json::{Value, json};
+use support::*;
+use tokio::sync::OnceCell;
+
+async fn shared_runtime() -> &'static Runtime {
+    static RUNTIME: OnceCell<Runtime> = OnceCell::const_new();
+    RUNTIME.get_or_init(runtime).await
+}
+
+/// A shipped saga with its fixture and input.
+struct Case {
+    saga: Saga,
+    state: State,
+    input: Value,
+}
+
+async fn case(name: &str) -> Case {
+    let path = sagas_dir().join(format!("{name}.json"));
+    let saga = Saga::load(&path, shared_runtime().await).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let state = fixture::load(saga.companions.fixture.as_ref().expect("a fixture")).unwrap();
+    let input =
+        serde_json::from_str(&std::fs::read_to_string(saga.companions.input.as_ref().expect("an input")).unwrap())
+            .unwrap();
+    Case { saga, state, input }
+}
+
+impl Case {
+    fn options(&self, faults: FaultPlan) -> RunOptions {
+        let mut options = RunOptions::new("test-run", self.input.clone());
+        options.seed = 7;
+        options.faults = faults;
+        options.deterministic = true;
+        options
+    }
+
+    async fn run(&self, faults: FaultPlan) -> (RunReport, State) {
+        self.run_with(self.options(faults)).await
+    }
+
+    async fn run_with(&self, options: RunOptions) -> (RunReport, State) {
+        let backend = MemoryBackend::new(self.state.clone());
+        let report = saga::run(shared_runtime().await, &self.saga, &backend, options).await;
+        (report, backend.store.snapshot())
+    }
+
+    fn ids(&self) -> Vec<String> {
+        self.saga.plan.steps.iter().map(|s| s.id.clone()).collect()
+    }
+
+    fn restored(&self, state: &State) -> bool {
+        state.digest_excluding(&self.saga.plan.ledgers) == self.state.digest_excluding(&self.saga.plan.ledgers)
+    }
+}
+
+const SHIPPED: [&str; 7] = [
+    "travel",
+    "ct1-payment-failure",
+    "ct2-capacity-overflow",
+    "ct3-agent-unavailable",
+    "supply-chain",
+    "onboarding",
+    "trip-dag",
+];
+
+#[tokio::test(flavor = "multi_thread")]
+async fn shipped_sagas_end_as_designed() {
+    let expected: [(&str, Status, Option<&str>, &[&str]); 7] = [
+        ("travel", Status::Completed, None, &[]),
+        ("ct1-payment-failure", Status::Failed, Some("payment"), &["hotel", "flight"]),
+        ("ct2-capacity-overflow", Status::Failed, Some("alloc4"), &["alloc3", "alloc2", "alloc1"]),
+        ("ct3-agent-unavailable", Status::Failed, Some("task4"), &["task3", "task2", "task1"]),
+        ("supply-chain", Status::Failed, Some("ship"), &["charge", "reserve"]),
+        ("onboarding", Status::Completed, None, &[]),
+        ("trip-dag", Status::Completed, None, &[]),
+    ];
+    for (name, status, failed, compensated) in expected {
+        let case = case(name).await;
+        let (report, state) = case.run(FaultPlan::none()).await;
+        assert_eq!(report.status, status, "{name}: {:?}", report.error);
+        assert_eq!(report.failed_step.as_deref(), failed, "{name}");
+        assert_eq!(report.compensated, compensated, "{name}");
+        if status == Status::Completed {
+            assert!(
+                report.output.as_ref().is_some_and(|o| o.as_object().is_some_and(|m| m.values().all(|v| !v.is_null())))
+            );
+            assert!(!case.restored(&state), "{name}: a completed saga changed nothing");
+        } else {
+            assert!(case.restored(&state), "{name}: rollback did not restore the state: {:?}", report.changes);
+            assert!(report.error.is_some());
+        }
+    }
+    let travel = case("travel").await.run(FaultPlan::none()).await.0;
+    let output = travel.output.unwrap();
+    assert!(output["flightConfirmation"].as_str().unwrap().starts_with('R'));
+    assert!(output["carConfirmation"].as_str().unwrap().starts_with('C'));
+}
+
+/// Index of the step the clean run fails at, if any.
+async fn natural_failure(case: &Case) -> Option<usize> {
+    let (report, _) = case.run(FaultPlan::none()).await;
+    report.failed_step.and_then(|id| case.saga.plan.step(&id).map(|(i, _)| i))
+}
+
+/// Checks that every compensated step was compensated once, after all its dependants.
+fn assert_valid_compensation(case: &Case, report: &RunReport, context: &str) {
+    for id in &report.compensated {
+        assert_eq!(
+            report.events_of(EventKind::CompensationCompleted, id),
+            1,
+            "{context}: '{id}' compensated more than once"
+        );
+    }
+    let position: BTreeMap<&str, usize> = report.compensated.iter().enumerate().map(|(i, s)| (s.as_str(), i)).collect();
+    for step in &case.saga.plan.steps {
+        for &dep in &step.deps {
+            let parent = &case.saga.plan.steps[dep].id;
+            if let (Some(p), Some(c)) = (position.get(parent.as_str()), position.get(step.id.as_str())) {
+                assert!(c < p, "{context}: '{parent}' was compensated before its dependant '{}'", step.id);
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failure_at_every_step_fails_there_and_compensates_each_completed_step_once() {
+    for name in SHIPPED {
+        let case = case(name).await;
+        let stop = natural_failure(&case).await.unwrap_or(usize::MAX);
+        for (i, id) in case.ids().iter().enumerate().take_while(|(i, _)| *i <= stop) {
+            for fault in [Fault::Rejected, Fault::Trap, Fault::Fuel, Fault::Timeout] {
+                let context = format!("{name}, {fault} at '{id}'");
+                let (report, state) = case.run(FaultPlan::single(id, Phase::Action, fault)).await;
+                assert_eq!(report.status, Status::Failed, "{context}: {:?}", report.error);
+                assert_eq!(report.failed_step.as_deref(), Some(id.as_str()), "{context}");
+                let expected: Vec<String> = case.ids()[..i]
+                    .iter()
+                    .rev()
+                    .filter(|s| case.saga.plan.step(s).unwrap().1.compensator.is_some())
+                    .cloned()
+                    .collect();
+                assert_eq!(report.compensated, expected, "{context}");
+                assert_eq!(
+                    report.events_of(EventKind::CompensationStarted, id),
+                    0,
+                    "{context}: the failed step was compensated"
+                );
+                assert_valid_compensation(&case, &report, &context);
+                assert!(case.restored(&state), "{context}: state not restored: {:?}", report.changes);
+                if fault != Fault::Rejected {
+                    let code = report.error.as_ref().unwrap().code.clone();
+                    let want = match fault {
+                        Fault::Trap => "trap",
+                        Fault::Fuel => "out_of_fuel",
+                        _ => "deadline_exceeded",
+                    };
+                    assert_eq!(code, want, "{context}");
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_response_leaves_the_step_uncertain_and_it_is_compensated_too() {
+    for name in SHIPPED {
+        let case = case(name).await;
+        let stop = natural_failure(&case).await.unwrap_or(usize::MAX);
+        // A lost response needs a call that succeeds: the naturally failing step has none.
+        for id in case.ids().iter().take(stop) {
+            let context = format!("{name}, lost response at '{id}'");
+            let (report, state) = case.run(FaultPlan::single(id, Phase::Action, Fault::LostResponse)).await;
+            assert_eq!(report.failed_step.as_deref(), Some(id.as_str()), "{context}");
+            let step = report.step(id).unwrap();
+            if case.saga.plan.step(id).unwrap().1.compensator.is_some() {
+                assert_eq!(step.status, StepStatus::Compensated, "{context}");
+                assert_eq!(report.compensated.first(), Some(id), "{context}: the uncertain step is undone first");
+            }
+            assert_valid_compensation(&case, &report, &context);
+            assert!(case.restored(&state), "{context}: state not restored: {:?}", report.changes);
+        }
+    }
+}
+
+/// Re-delivers every call of a run's journal of `kind` straight to the runtime (no
+/// idempotency cache in between), with its original arguments and key.
+async fn redeliver(report: &RunReport, kind: EventKind, state: State) -> State {
+    let runtime = shared_runtime().await;
+    let store = MemoryStore::new(state);
+    for event in report.events.iter().filter(|e| e.event == kind) {
+        let options = CallOptions {
+            context: CallContext {
+                saga_id: report.run_id.clone(),
+                step_id: event.step.clone().unwrap(),
+                attempt: 2,
+                idempotency_key: event.idempotency_key.clone().unwrap(),
+            },
+            ..CallOptions::default()
+        };
+        let args = event.data.clone().unwrap();
+        let outcome = runtime.call(event.tool.as_deref().unwrap(), &args, &options, &store).await;
+        assert!(outcome.result.is_ok(), "re-delivering {:?} failed: {:?}", event.tool, outcome.result);
+    }
+    store.snapshot()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_undo_twice_leaves_the_state_of_once() {
+    for name in SHIPPED {
+        let case = case(name).await;
+        let last = case.ids().last().unwrap().clone();
+        // Sagas that complete are made to fail at their last step, so every step is undone.
+        let faults = match natural_failure(&case).await {
+            Some(_) => FaultPlan::none(),
+            None => FaultPlan::single(&last, Phase::Action, Fault::Rejected),
+        };
+        let (report, once) = case.run(faults.clone()).await;
+        assert!(!report.compensated.is_empty(), "{name}");
+        let twice = redeliver(&report, EventKind::CompensationStarted, once.clone()).await;
+        assert_eq!(
+            twice.digest_excluding(&case.saga.plan.ledgers),
+            once.digest_excluding(&case.saga.plan.ledgers),
+            "{name}"
+        );
+
+        // Delivered twice by the engine (same key): the second is a replay.
+        let mut repeat = faults;
+        for id in &report.compensated {
+            repeat = repeat.with(id, Phase::Compensation, Fault::Repeat);
+        }
+        let (repeated, state) = case.run(repeat).await;
+        assert!(case.restored(&state), "{name}");
+        let replays = repeated
+            .events
+            .iter()
+            .filter(|e| e.event == EventKind::CompensationCompleted && e.replayed == Some(true))
+            .count();
+        assert_eq!(replays, report.compensated.len(), "{name}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_action_delivered_twice_applies_once() {
+    for name in SHIPPED {
+        let case = case(name).await;
+        let (clean, clean_state) = case.run(FaultPlan::none()).await;
+        let mut repeat = FaultPlan::none();
+        for id in case.ids() {
+            repeat = repeat.with(&id, Phase::Action, Fault::Repeat);
+        }
+        let (report, state) = case.run(repeat).await;
+        assert_eq!(report.status, clean.status, "{name}");
+        assert_eq!(state.digest(), clean_state.digest(), "{name}: a repeated action changed the outcome");
+        let replayed =
+            report.events.iter().filter(|e| e.event == EventKind::StepCompleted && e.replayed == Some(true)).count();
+        let completed_steps = clean.steps.iter().filter(|s| s.attempts > 0 && s.status != StepStatus::Failed).count();
+        assert_eq!(replayed, completed_steps, "{name}");
+
+        // Straight to the tools, bypassing the cache: their own idempotency holds.
+        if clean.status == Status::Completed {
+            let again = redeliver(&clean, EventKind::StepStarted, clean_state.clone()).await;
+            assert_eq!(again.digest(), clean_state.digest(), "{name}: a tool applied a repeated call twice");
+        }
+    }
+}
+
+/// Writes a saga into a temp dir and loads it.
+async fn temp_saga(dir: &Path, name: &str, saga: Value) -> Result<Saga, String> {
+    let path = dir.join(format!("{name}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&json!({ "saga": saga })).unwrap()).unwrap();
+    Saga::load(&path, shared_runtime().await).map_err(|e| e.to_string())
+}
+
+fn pools() -> State {
+    State::from_json(&json!({ "pools": { "p": { "capacity": 100, "allocated": 0 } } })).unwrap()
+}
+
+async fn run_temp(saga: &Saga, state: &State) -> (RunReport, State) {
+    let backend = MemoryBackend::new(state.clone());
+    let mut options = RunOptions::new("temp", json!({}));
+    options.seed = 1;
+    let report = saga::run(shared_runtime().await, saga, &backend, options).await;
+    (report, backend.store.snapshot())
+}
+
+fn allocate(id: &str, amount: u64) -> Value {
+    json!({ "id": id, "action": { "name": "resources.allocate", "arguments": { "pool_id": "p", "amount": amount } } })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_whole_saga_time_out_compensates_what_completed() {
+    let dir = tempfile::tempdir().unwrap();
+    let saga = temp_saga(
+        dir.path(),
+        "slow",
+        json!({
+            "steps": [
+                allocate("a", 10),
+                allocate("b", 20),
+                { "id": "wait", "action": { "name": "hostile.sleep", "arguments": { "seconds": 30 } },
+                  "limits": { "deadline_ms": 60000 } },
+                allocate("never", 5)
+            ],
+            "timeout": "300ms"
+        }),
+    )
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let (report, state) = run_temp(&saga, &pools()).await;
+    assert!(started.elapsed() < std::time::Duration::from_secs(10));
+    assert_eq!(report.status, Status::TimedOut, "{:?}", report.error);
+    assert_eq!(report.error.as_ref().unwrap().code, "saga_timeout");
+    assert_eq!(report.compensated, ["b", "a"]);
+    assert_eq!(report.step("wait").unwrap().status, StepStatus::Cancelled);
+    assert_eq!(report.step("never").unwrap().status, StepStatus::NotRun);
+    assert_eq!(state.digest(), pools().digest());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_binding_failure_at_step_k_compensates_the_steps_before_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let saga = temp_saga(
+        dir.path(),
+        "binding",
+        json!({
+            "steps": [
+                allocate("a", 10),
+                allocate("b", 20),
+                { "id": "c", "action": { "name": "resources.allocate", "arguments": { "pool_id": "p" } },
+                  "input": { "amount": { "path": "$.steps.b.no_such_field" } } }
+            ]
+        }),
+    )
+    .await
+    .unwrap();
+    let (report, state) = run_temp(&saga, &pools()).await;
+    assert_eq!(report.status, Status::Failed);
+    assert_eq!(report.failed_step.as_deref(), Some("c"));
+    let error = report.error.unwrap();
+    assert_eq!(error.code, "binding");
+    assert!(error.message.contains("$.steps.b has no field 'no_such_field'"), "{}", error.message);
+    assert_eq!(report.compensated, ["b", "a"]);
+    assert_eq!(state.digest(), pools().digest());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_compensator_that_always_fails_ends_in_compensation_failed_with_its_residue() {
+    let case = case("ct1-payment-failure").await;
+    let (report, state) = case.run(FaultPlan::single("flight", Phase::Compensation, Fault::Permanent)).await;
+    assert_eq!(report.status, Status::CompensationFailed);
+    assert_eq!(report.failed_step.as_deref(), Some("payment"));
+    assert_eq!(report.error.as_ref().unwrap().code, "rejected");
+    assert_eq!(report.compensated, ["hotel"], "the other compensations still ran");
+    assert_eq!(report.compensation_failures.len(), 1);
+    assert_eq!(report.compensation_failures[0].step, "flight");
+    assert_eq!(report.step("flight").unwrap().compensation_attempts, 5);
+    let residue: Vec<String> =
+        report.residue.iter().map(|c| format!("{} {}/{}", c.change, c.namespace, c.key)).collect();
+    assert!(residue.contains(&"changed flights/HAT001".to_string()), "{residue:?}");
+    assert!(residue.iter().any(|r| r.starts_with("added reservations/R")), "{residue:?}");
+    assert!(!case.restored(&state));
+
+    // Transient compensator failures are retried until they pass.
+    let (report, state) =
+        case.run(FaultPlan::single("flight", Phase::Compensation, Fault::Transient { failures: 3 })).await;
+    assert_eq!(report.status, Status::Failed);
+    assert_eq!(report.step("flight").unwrap().compensation_attempts, 4);
+    assert!(case.restored(&state));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn transient_failures_are_retried_with_seeded_backoff() {
+    let case = case("travel").await;
+    let faults = FaultPlan::single("hotel", Phase::Action, Fault::Transient { failures: 2 });
+    let (report, _) = case.run(faults.clone()).await;
+    assert_eq!(report.status, Status::Completed);
+    assert_eq!(report.step("hotel").unwrap().attempts, 3);
+    let delays = |r: &RunReport| -> Vec<u64> {
+        r.events
+            .iter()
+            .filter(|e| e.event == EventKind::StepRetried)
+            .map(|e| e.data.as_ref().unwrap()["delay_ms"].as_u64().unwrap())
+            .collect()
+    };
+    let first = delays(&report);
+    assert_eq!(first.len(), 2);
+    assert_eq!(delays(&case.run(faults.clone()).await.0), first, "same seed, same jitter");
+    let mut other_seed = case.options(faults.clone());
+    other_seed.seed = 8;
+    assert_ne!(delays(&case.run_with(other_seed).await.0), first, "another seed, other jitter");
+
+    // More failures than attempts: the step fails, and it is not compensated.
+    let (report, state) = case.run(FaultPlan::single("hotel", Phase::Action, Fault::Transient { failures: 9 })).await;
+    assert_eq!(report.status, Status::Failed);
+    assert_eq!(report.step("hotel").unwrap().attempts, 3);
+    assert_eq!(report.compensated, ["flight"]);
+    assert!(case.restored(&state));
+
+    // Rejections are never retried.
+    let (report, _) = case.run(FaultPlan::single("hotel", Phase::Action, Fault::Rejected)).await;
+    assert_eq!(report.step("hotel").unwrap().attempts, 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dag_parents_are_compensated_only_after_their_dependants() {
+    let case = case("trip-dag").await;
+    for concurrent in [false, true] {
+        let mut options = case.options(FaultPlan::single("payment", Phase::Action, Fault::Rejected));
+        options.deterministic = !concurrent;
+        let (report, state) = case.run_with(options).await;
+        assert_eq!(report.status, Status::Failed);
+        assert_eq!(report.compensated.len(), 3);
+        assert_eq!(report.compensated[0], "car", "car depends on flight and hotel: {:?}", report.compensated);
+        assert_valid_compensation(&case, &report, "trip-dag");
+        assert!(case.restored(&state));
+    }
+    // A failure in one parallel branch: the other branch's completed step is undone.
+    let (report, state) = case.run(FaultPlan::single("hotel", Phase::Action, Fault::Rejected)).await;
+    assert_eq!(report.failed_step.as_deref(), Some("hotel"));
+    assert_eq!(report.compensated, ["flight"]);
+    assert_eq!(report.step("car").unwrap().status, StepStatus::NotRun);
+    assert!(case.restored(&state));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn many_sagas_at_once_on_one_store_each_roll_back_their_own_effects() {
+    let case = case("ct2-capacity-overflow").await;
+    let mut state = case.state.to_json();
+    state["pools"]["cluster"]["capacity"] = json!(10_000);
+    state["pools"]["cluster"]["allocated"] = json!(9_900);
+    let backend = Arc::new(MemoryBackend::new(State::from_json(&state).unwrap()));
+    let saga = Arc::new(case.saga.clone());
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let (backend, saga, input) = (backend.clone(), saga.clone(), case.input.clone());
+        tasks.push(tokio::spawn(async move {
+            let runtime = shared_runtime().await;
+            saga::run(runtime, &saga, backend.as_ref(), RunOptions::new(format!("run-{i}"), input)).await
+        }));
+    }
+    let mut completed = 0;
+    for task in tasks {
+        let report = task.await.unwrap();
+        assert!(matches!(report.status, Status::Completed | Status::Failed), "{:?}", report.error);
+        completed += usize::from(report.status == Status::Completed);
+    }
+    // 100 units free, each saga wants 75: at most one completes and the others roll back.
+    let pool: Value = serde_json::from_str(&backend.store.snapshot().get("pools", "cluster").unwrap().text).unwrap();
+    assert_eq!(pool["allocated"], json!(9_900 + 75 * completed));
+    assert!(completed <= 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn invalid_sagas_are_refused_naming_file_step_and_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let cases: Vec<(&str, Value, &str)> = vec![
+        (
+            "unknown-tool",
+            json!({ "steps": [{ "id": "a", "action": { "name": "airline.fly" } }] }),
+            "step 'a': action: no tool named 'airline.fly'",
+        ),
+        ("duplicate", json!({ "steps": [allocate("a", 1), allocate("a", 2)] }), "step 'a': the step id is used twice"),
+        (
+            "cycle",
+            json!({ "steps": [
+                { "id": "a", "action": { "name": "hostile.echo" }, "depends_on": ["b"] },
+                { "id": "b", "action": { "name": "hostile.echo" }, "depends_on": ["a"] }
+            ] }),
+            "the dependencies form a cycle",
+        ),
+        (
+            "unknown-binding",
+            json!({ "steps": [{ "id": "a", "action": { "name": "hostile.echo" }, "input": { "x": { "path": "$.steps.zz.id" } } }] }),
+            "step 'a': input: $.steps.zz.id names the unknown step 'zz'",
+        ),
+        (
+            "not-ancestor",
+            json!({ "steps": [
+                { "id": "a", "action": { "name": "hostile.echo" }, "depends_on": [] },
+                { "id": "b", "action": { "name": "hostile.echo" }, "depends_on": [], "input": { "x": { "path": "$.steps.a.x" } } }
+            ] }),
+            "step 'b': input: $.steps.a.x reads step 'a', which is not guaranteed to run before this one",
+        ),
+        (
+            "schema",
+            json!({ "steps": [{ "id": "a", "action": { "name": "resources.allocate", "arguments": { "pool_id": "p", "amount": "lots" } } }] }),
+            "step 'a': the arguments do not match resources.allocate's schema",
+        ),
+        (
+            "no-compensator",
+            json!({ "steps": [{ "id": "a", "action": { "name": "hostile.trespass" } }] }),
+            "step 'a': hostile.trespass has side effects and no compensator",
+        ),
+        (
+            "bad-path",
+            json!({ "steps": [{ "id": "a", "action": { "name": "hostile.echo" }, "input": { "path": "steps.a" } }] }),
+            "a path starts with '$'",
+        ),
+    ];
+    for (name, saga, expected) in cases {
+        let error = temp_saga(dir.path(), name, saga).await.expect_err(name);
+        assert!(error.contains(&format!("{name}.json")), "{name}: the error does not name the file: {error}");
+        assert!(error.contains(expected), "{name}: expected '{expected}' in: {error}");
+    }
+    let allowed =
+        json!({ "steps": [{ "id": "a", "action": { "name": "hostile.trespass" }, "no_compensation": true }] });
+    assert!(temp_saga(dir.path(), "allowed", allowed).await.is_ok());
+}
+
+fn sagabox(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        .args(args)
+        .env("SAGABOX_CACHE_DIR", shared_cache())
+        .output()
+        .unwrap()
+}
+
+fn saga_path(name: &str) -> String {
+    sagas_dir().join(format!("{name}.json")).display().to_string()
+}
+
+#[test]
+fn the_cli_runs_sagas_and_reports_json() {
+    let out = sagabox(&["run", &saga_path("ct1-payment-failure"), "--json", "--seed", "3"]);
+    assert_eq!(out.status.code(), Some(1));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["status"], "failed");
+    assert_eq!(report["failed_step"], "payment");
+    assert_eq!(report["compensated"], json!(["hotel", "flight"]));
+    assert_eq!(report["output"], Value::Null);
+
+    let dir = tempfile::tempdir().unwrap();
+    let journal: PathBuf = dir.path().join("journal.jsonl");
+    let out = sagabox(&["run", &saga_path("travel"), "--journal", journal.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("completed") && text.contains("state changes: changed flights/HAT001"), "{text}");
+    let lines: Vec<Value> =
+        std::fs::read_to_string(&journal).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.first().unwrap()["event"], "saga_started");
+    assert_eq!(lines.last().unwrap()["event"], "saga_finished");
+    let completed: Vec<&Value> = lines.iter().filter(|l| l["event"] == "step_completed").collect();
+    assert_eq!(completed.len(), 3);
+    assert!(completed.iter().all(|e| e["idempotency_key"].as_str().unwrap().len() == 64 && e["replayed"] == false));
+
+    let out = sagabox(&["run", &saga_path("ct1-payment-failure"), "--fault", "nope:trap"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the saga has no step 'nope'"));
+
+    let out = sagabox(&["validate", sagas_dir().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), SHIPPED.len());
+}
