@@ -37,10 +37,22 @@ fn plugins_lists_every_bundled_tool_and_a_second_run_does_not_recompile() {
     let names: Vec<&str> = plugins.iter().map(|p| p["name"].as_str().unwrap()).collect();
     assert_eq!(
         names,
-        ["agents", "airline", "hostile", "hotel", "inventory", "payment", "rental", "resources", "shipping"]
+        [
+            "agents",
+            "airline",
+            "buggy_airline",
+            "hostile",
+            "hotel",
+            "inventory",
+            "payment",
+            "rental",
+            "resources",
+            "shipping"
+        ]
     );
     assert!(plugins.iter().all(|p| p["compiled"] == "compiled" && p["sha256"].as_str().unwrap().len() == 64));
     let airline = &plugins[1];
+    assert_eq!(airline["name"], "airline");
     let book = airline["tools"].as_array().unwrap().iter().find(|t| t["name"] == "book").unwrap();
     assert_eq!(book["compensator"], "cancel");
     assert_eq!(book["side_effects"], true);

@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use sagabox::runtime::{CallContext, CallOptions, EngineOptions, Runtime, RuntimeOptions};
 use sagabox::saga::{self, MemoryBackend, RunOptions, Saga, Status};
+use sagabox::store::generate::{self, Scale};
 use sagabox::store::{MemoryStore, State};
+use sagabox::verify::{self, CampaignOptions, Subject};
 
 /// One measured quantity.
 #[derive(Clone, Debug, Serialize)]
@@ -186,40 +188,78 @@ pub struct Args {
     /// Where the shipped sagas are.
     #[arg(long, default_value = "sagas")]
     sagas_dir: std::path::PathBuf,
+    /// Generated store sizes for the snapshot benchmark, in MB.
+    #[arg(long, value_delimiter = ',', default_value = "1,10,100")]
+    sizes_mb: Vec<f64>,
+    /// Random schedules in the verification benchmark's campaign.
+    #[arg(long, default_value_t = 1000)]
+    campaign_runs: usize,
+    /// Benchmark groups to run: runtime, sagas, verify, snapshot [default: all].
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
 }
 
 pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<super::Outcome> {
+    let wants = |group: &str| args.only.is_empty() || args.only.iter().any(|g| g == group);
     let cache = plugin_args.options().cache_dir;
-    let airline = sagabox::runtime::bundled_wasm("airline").ok_or_else(|| anyhow::anyhow!("no bundled airline"))?;
-    let mut results = plugin_load(airline, 5).await?;
-    results.extend(per_call(args.calls, cache.as_deref()).await?);
     let runtime = Arc::new(plugin_args.load().await?);
-    let mut throughputs = Vec::new();
-    for (name, expect) in [("ct1-payment-failure", Status::Failed), ("travel", Status::Completed)] {
-        let (saga, state, input) = shipped_saga(&runtime, &args.sagas_dir, name)?;
+    let mut results = Vec::new();
+    let mut rates: Vec<(String, f64)> = Vec::new();
+    if wants("runtime") {
+        let airline = sagabox::runtime::bundled_wasm("airline").ok_or_else(|| anyhow::anyhow!("no bundled airline"))?;
+        results.extend(plugin_load(airline, 5).await?);
+        results.extend(per_call(args.calls, cache.as_deref()).await?);
+    }
+    if wants("sagas") {
+        for (name, expect) in [("ct1-payment-failure", Status::Failed), ("travel", Status::Completed)] {
+            let (saga, state, input) = shipped_saga(&runtime, &args.sagas_dir, name)?;
+            let saga = Arc::new(saga);
+            for concurrency in [1, 64] {
+                let t = saga_throughput(
+                    runtime.clone(),
+                    saga.clone(),
+                    state.clone(),
+                    input.clone(),
+                    args.sagas,
+                    concurrency,
+                    expect,
+                )
+                .await?;
+                results.push(t.latency.clone());
+                rates.push((format!("sagas/s: {}", t.name), t.per_second));
+            }
+        }
+    }
+    if wants("verify") {
+        let (saga, state, input) = shipped_saga(&runtime, &args.sagas_dir, "ct1-payment-failure")?;
         let saga = Arc::new(saga);
-        for concurrency in [1, 64] {
-            let t = saga_throughput(
-                runtime.clone(),
-                saga.clone(),
-                state.clone(),
-                input.clone(),
-                args.sagas,
-                concurrency,
-                expect,
-            )
-            .await?;
-            results.push(t.latency.clone());
-            throughputs.push(t);
+        let fixture = state.to_json();
+        let big = generate::overlay(generate::generate(0, &Scale::of(units_for_mb(10.0))), &fixture);
+        let big = State::from_json(&big).map_err(anyhow::Error::msg)?;
+        for (label, initial) in [("default fixture", state), ("10 MB generated store", big)] {
+            let subject = Subject { saga: saga.clone(), initial, input: input.clone(), expected: None };
+            let options = CampaignOptions { runs: args.campaign_runs, ..CampaignOptions::default() };
+            let (report, timing) = verify::run_campaign(runtime.clone(), &[subject], &options, &|_, _| {}).await;
+            if !report.passed() {
+                anyhow::bail!("the benchmark campaign failed {} cases", report.totals.failed);
+            }
+            rates.push((
+                format!("verification cases/s: ct1-payment-failure, {label} ({} cases)", timing.cases),
+                timing.cases_per_second,
+            ));
+        }
+    }
+    if wants("snapshot") {
+        for mb in &args.sizes_mb {
+            results.extend(snapshot_costs(*mb)?);
         }
     }
     if args.json {
-        let rates: Vec<_> =
-            throughputs.iter().map(|t| json!({ "name": t.name, "sagas_per_second": t.per_second })).collect();
-        println!("{}", serde_json::to_string_pretty(&json!({ "measurements": results, "throughput": rates }))?);
+        let rates: Vec<_> = rates.iter().map(|(name, rate)| json!({ "name": name, "per_second": rate })).collect();
+        println!("{}", serde_json::to_string_pretty(&json!({ "measurements": results, "rates": rates }))?);
     } else {
         let mut table = comfy_table::Table::new();
         table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header([
@@ -233,13 +273,63 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
         }
         println!("{table}");
         let mut table = comfy_table::Table::new();
-        table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(["sagas", "per second"]);
-        for t in &throughputs {
-            table.add_row([t.name.clone(), format!("{:.0}", t.per_second)]);
+        table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(["throughput", "per second"]);
+        for (name, rate) in &rates {
+            table.add_row([name.clone(), format!("{rate:.0}")]);
         }
         println!("{table}");
     }
     Ok(super::Outcome::Success)
+}
+
+/// Generator units for a store of about `mb` MB.
+fn units_for_mb(mb: f64) -> usize {
+    let unit = sagabox::json::canonical(&generate::generate(0, &Scale::of(1))).len() as f64;
+    ((mb * 1e6 / unit).round() as usize).max(1)
+}
+
+/// What snapshots cost on a generated store of about `mb` MB.
+fn snapshot_costs(mb: f64) -> anyhow::Result<Vec<Measurement>> {
+    let value = generate::generate(0, &Scale::of(units_for_mb(mb)));
+    let label = |what: &str, state: &State| format!("{what}, {:.0} MB store ({} docs)", mb, state.doc_count());
+    let started = Instant::now();
+    let state = State::from_json(&value).map_err(anyhow::Error::msg)?;
+    let load = started.elapsed();
+    drop(value);
+    let started = Instant::now();
+    let cold = state.digest();
+    let first_digest = started.elapsed();
+
+    let rounds = 20;
+    let (mut snapshots, mut after_case, mut canonical) = (Vec::new(), Vec::new(), Vec::new());
+    let store = MemoryStore::new(state.clone());
+    for i in 0..rounds {
+        let started = Instant::now();
+        let snapshot = store.snapshot();
+        snapshots.push(started.elapsed());
+        // A case changes a few documents; its digest recomputes only their namespaces.
+        let mut txn = sagabox::store::Txn::new(snapshot, sagabox::store::WriteQuota::default());
+        txn.put("flights", "HAT0000", &format!("{{\"touched\":{i}}}")).map_err(anyhow::Error::msg)?;
+        txn.put("orders", "#W3000000", &format!("{{\"touched\":{i}}}")).map_err(anyhow::Error::msg)?;
+        store.commit(&txn)?;
+        let started = Instant::now();
+        let digest = store.snapshot().digest();
+        after_case.push(started.elapsed());
+        assert_ne!(digest, cold);
+        if i < 5 {
+            let started = Instant::now();
+            let text = store.snapshot().to_canonical_json();
+            let _ = sagabox::json::sha256_hex(text.as_bytes());
+            canonical.push(started.elapsed());
+        }
+    }
+    Ok(vec![
+        Measurement::from_samples(label("load fixture (canonicalize + hash every doc)", &state), vec![load]),
+        Measurement::from_samples(label("first full digest", &state), vec![first_digest]),
+        Measurement::from_samples(label("snapshot (persistent clone)", &state), snapshots),
+        Measurement::from_samples(label("snapshot + digest after a case", &state), after_case),
+        Measurement::from_samples(label("canonical JSON + SHA-256 of the whole store", &state), canonical),
+    ])
 }
 
 fn format_us(us: f64) -> String {

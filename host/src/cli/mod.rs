@@ -6,8 +6,10 @@
 
 mod bench;
 mod call;
+mod fixtures;
 mod plugins;
 mod run;
+mod verify;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -78,6 +80,11 @@ enum Command {
     Run(run::RunArgs),
     /// Check sagas against the loaded plugins without running them.
     Validate(run::ValidateArgs),
+    /// Run a rollback verification campaign over sagas; fails when any case fails.
+    Verify(verify::Args),
+    /// Generate large seeded fixtures.
+    #[command(subcommand)]
+    Fixtures(fixtures::Command),
     /// Measure plugin loading and per-call costs; prints numbers.
     Bench(bench::Args),
 }
@@ -89,6 +96,7 @@ pub enum Outcome {
 }
 
 pub fn main() -> ExitCode {
+    restore_sigpipe();
     let cli = Cli::parse();
     init_logging(cli.verbose);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -104,6 +112,8 @@ pub fn main() -> ExitCode {
             Command::Call(args) => call::run(&cli.plugins, args).await,
             Command::Run(args) => run::run(&cli.plugins, args).await,
             Command::Validate(args) => run::validate(&cli.plugins, args).await,
+            Command::Verify(args) => verify::run(&cli.plugins, args).await,
+            Command::Fixtures(command) => fixtures::run(command),
             Command::Bench(args) => bench::run(&cli.plugins, args).await,
         }
     });
@@ -114,6 +124,16 @@ pub fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::from(2)
         }
+    }
+}
+
+/// Lets a closed pipe end the process quietly (`sagabox verify … | head`), as Unix tools do,
+/// instead of making `println!` panic on the broken pipe.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: setting a signal disposition to its default, before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
 }
 

@@ -34,6 +34,11 @@ pub struct RunArgs {
     #[arg(long)]
     seed: Option<u64>,
 
+    /// The run's id, from which idempotency keys and so record ids derive [default: random].
+    /// `verify` runs a saga `x` as `verify-x`.
+    #[arg(long)]
+    run_id: Option<String>,
+
     /// Inject a fault: STEP:KIND or STEP:compensation:KIND, KIND one of rejected, trap, fuel,
     /// timeout, lost_response, transient[=N], permanent, repeat. Repeatable.
     #[arg(long, value_name = "SPEC")]
@@ -119,7 +124,7 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
         }
         faults = faults.with(&step, phase, fault);
     }
-    let mut options = RunOptions::new(sagabox::ids::new_run_id(), input);
+    let mut options = RunOptions::new(args.run_id.clone().unwrap_or_else(sagabox::ids::new_run_id), input);
     options.seed = args.seed.unwrap_or_else(rand::random);
     options.faults = faults;
     if let Some(path) = &args.journal {

@@ -9,6 +9,7 @@
 
 mod digest;
 pub mod fixture;
+pub mod generate;
 mod txn;
 
 use std::sync::{Arc, OnceLock, RwLock};

@@ -1,0 +1,171 @@
+//! `sagabox verify`: rollback verification campaigns.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
+use indicatif::{ProgressBar, ProgressStyle};
+use sagabox::saga::{self, Saga};
+use sagabox::verify::{self, CampaignOptions, CampaignReport, FaultKind, Subject, Timing, Verdict};
+
+use super::run::{load_input, load_state};
+use super::{Outcome, PluginArgs};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Saga files, or directories of them (their *.json files, companions excluded).
+    #[arg(required = true)]
+    sagas: Vec<PathBuf>,
+
+    /// Seed of the random schedules, retry jitter and the plugins' clocks and randomness.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+
+    /// Random fault schedules per saga.
+    #[arg(long, default_value_t = 20)]
+    runs: usize,
+
+    /// Fault kinds to inject, comma-separated [default: all]: rejected, trap, fuel, timeout,
+    /// lost_response, transient, compensator_transient, compensator_permanent, repeat, random.
+    #[arg(long, value_delimiter = ',')]
+    faults: Vec<FaultKind>,
+
+    /// Run only the case with this id (as printed in a report's `replay` command).
+    #[arg(long)]
+    case: Option<String>,
+
+    /// Write the reproducible report (no wall-clock times) to FILE as JSON.
+    #[arg(long, value_name = "FILE")]
+    report: Option<PathBuf>,
+
+    /// Write the wall-clock measurements (cases per second, rollback latency) to FILE as JSON.
+    #[arg(long, value_name = "FILE")]
+    timing: Option<PathBuf>,
+
+    /// Cases run at once.
+    #[arg(long, default_value_t = 2)]
+    concurrency: usize,
+
+    /// Print the report and the timing as JSON instead of a summary.
+    #[arg(long)]
+    json: bool,
+}
+
+pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome> {
+    let runtime = Arc::new(plugin_args.load().await?);
+    let mut subjects = Vec::new();
+    for path in saga::saga_files(&args.sagas).context("cannot list the sagas")? {
+        let saga = Saga::load(&path, &runtime)?;
+        let expected = match &saga.companions.expected {
+            Some(path) => Some(super::json_arg(&format!("@{}", path.display()), "expected state")?),
+            None => None,
+        };
+        subjects.push(Subject {
+            initial: load_state(None, &saga)?,
+            input: load_input(None, &saga)?,
+            expected,
+            saga: Arc::new(saga),
+        });
+    }
+    let options = CampaignOptions {
+        seed: args.seed,
+        runs: args.runs,
+        kinds: if args.faults.is_empty() { FaultKind::ALL.to_vec() } else { args.faults.clone() },
+        only_case: args.case.clone(),
+        concurrency: args.concurrency,
+    };
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} verifying [{bar:40}] {pos}/{len} cases ({per_sec}, eta {eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    let progress = |done: usize, total: usize| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    };
+    let (report, timing) = verify::run_campaign(runtime, &subjects, &options, &progress).await;
+    bar.finish_and_clear();
+
+    if let Some(path) = &args.report {
+        let text = serde_json::to_string_pretty(&report)? + "\n";
+        std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = &args.timing {
+        let text = serde_json::to_string_pretty(&timing)? + "\n";
+        std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "report": report, "timing": timing }))?);
+    } else {
+        print_summary(&report, &timing);
+    }
+    Ok(if report.passed() { Outcome::Success } else { Outcome::Failure })
+}
+
+fn print_summary(report: &CampaignReport, timing: &Timing) {
+    let mut table = Table::new();
+    table.load_preset(UTF8_BORDERS_ONLY).set_header([
+        "saga",
+        "cases",
+        "passed",
+        "failed",
+        "rollback success",
+        "compensation coverage",
+        "compensation efficiency",
+    ]);
+    let percent = |x: f64| format!("{:.1}%", x * 100.0);
+    for saga in &report.sagas {
+        let m = &saga.metrics;
+        table.add_row([
+            saga.saga.clone(),
+            m.cases.to_string(),
+            m.passed.to_string(),
+            m.failed.to_string(),
+            percent(m.rollback_success_rate),
+            percent(m.compensation_coverage),
+            percent(m.compensation_efficiency),
+        ]);
+    }
+    let t = &report.totals;
+    table.add_row([
+        "all".to_string(),
+        t.cases.to_string(),
+        t.passed.to_string(),
+        t.failed.to_string(),
+        percent(t.rollback_success_rate),
+        percent(t.compensation_coverage),
+        percent(t.compensation_efficiency),
+    ]);
+    println!("{table}");
+    let l = &timing.rollback_latency_us;
+    println!(
+        "seed {}: {} cases in {:.2} s ({:.0} cases/s); rollback latency p50 {} µs, p90 {} µs, p99 {} µs",
+        report.seed, timing.cases, timing.seconds, timing.cases_per_second, l.p50, l.p90, l.p99
+    );
+    for saga in &report.sagas {
+        for case in saga.cases.iter().filter(|c| c.verdict == Verdict::Fail) {
+            println!("\nFAIL {} / {}: {}", saga.saga, case.id, case.reason);
+            println!("  expected {}; observed {}", case.expected, case.observed.as_str());
+            for d in &case.diff {
+                println!("  {} {}/{}", d.change, d.namespace, d.key);
+                let at = |doc: &Option<serde_json::Value>, field: &str| {
+                    doc.as_ref().and_then(|v| v.pointer(field)).map_or("(absent)".to_string(), |v| v.to_string())
+                };
+                for field in &d.fields {
+                    println!("    {field}: {} -> {}", at(&d.before, field), at(&d.after, field));
+                }
+                if d.fields.is_empty() {
+                    println!("    {} -> {}", at(&d.before, ""), at(&d.after, ""));
+                }
+            }
+            println!("  replay: {}", case.replay);
+        }
+    }
+    if report.passed() {
+        println!("every case passed");
+    } else {
+        println!("\n{} of {} cases failed", report.totals.failed, report.totals.cases);
+    }
+}

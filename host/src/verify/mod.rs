@@ -1,0 +1,492 @@
+//! Rollback verification campaigns: run a saga from one fixture snapshot under every fault
+//! the campaign knows, and check after each run that the state is what it must be — the
+//! initial state after a rollback, the clean run's state after a completion, the exact
+//! reported residue after a compensation that gave up.
+//!
+//! Runs are deterministic (see [`RunOptions::deterministic`]) and every case of a saga uses
+//! the same run id, so the same seed, plugins, saga and fixture give a byte-identical
+//! report; wall-clock numbers live apart from it, in [`Timing`].
+
+pub mod cases;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::Serialize;
+use serde_json::Value;
+
+pub use cases::{Case, Expect, FaultKind};
+
+use crate::runtime::Runtime;
+use crate::saga::{self, FaultPlan, MemoryBackend, Phase, RunOptions, RunReport, Saga, Status, StepStatus};
+use crate::store::{DiffEntry, State, diff};
+
+/// What a campaign runs.
+#[derive(Clone, Debug)]
+pub struct CampaignOptions {
+    pub seed: u64,
+    /// Random fault schedules per saga.
+    pub runs: usize,
+    pub kinds: Vec<FaultKind>,
+    /// Run only the case with this id.
+    pub only_case: Option<String>,
+    /// Cases in flight at once (each case is deterministic on its own).
+    pub concurrency: usize,
+}
+
+impl Default for CampaignOptions {
+    fn default() -> Self {
+        CampaignOptions { seed: 0, runs: 20, kinds: FaultKind::ALL.to_vec(), only_case: None, concurrency: 2 }
+    }
+}
+
+/// A saga ready for a campaign: its starting state, input and expected final state.
+#[derive(Clone, Debug)]
+pub struct Subject {
+    pub saga: Arc<Saga>,
+    pub initial: State,
+    pub input: Value,
+    /// `{namespace: {key: document or null}}` that a completed run must match.
+    pub expected: Option<Value>,
+}
+
+/// How a case ended against what it had to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    Pass,
+    Fail,
+}
+
+/// One case in the report.
+#[derive(Clone, Debug, Serialize)]
+pub struct CaseReport {
+    pub id: String,
+    pub faults: FaultPlan,
+    pub expected: Expect,
+    pub observed: Status,
+    pub failed_step: Option<String>,
+    /// Step ids in the order their compensations completed.
+    pub compensated: Vec<String>,
+    pub compensation_failed: Vec<String>,
+    pub digest_before: String,
+    pub digest_after: String,
+    /// What differs from the state the case had to end in (ledgers excluded).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub diff: Vec<DiffEntry>,
+    /// Records the run added to or changed in ledger namespaces (not part of the equality).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ledger_changes: Vec<String>,
+    pub verdict: Verdict,
+    pub reason: String,
+    /// The command that runs this case again.
+    pub replay: String,
+}
+
+/// Campaign metrics of one saga (or all).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Metrics {
+    pub cases: usize,
+    pub passed: usize,
+    pub failed: usize,
+    /// Rolled-back runs whose state was restored, over all rolled-back runs.
+    pub rollback_success_rate: f64,
+    /// Executed side-effecting steps that had a compensator, over all executed side-effecting steps.
+    pub compensation_coverage: f64,
+    /// Compensations that succeeded, over compensator attempts (1.0: every undo worked at once).
+    pub compensation_efficiency: f64,
+    #[serde(skip)]
+    counts: Counts,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Counts {
+    rolled_back: usize,
+    restored: usize,
+    side_effects: usize,
+    covered: usize,
+    compensations: usize,
+    compensation_attempts: usize,
+}
+
+impl Metrics {
+    fn add(&mut self, case: &CaseReport, run: &RunReport, saga: &Saga) {
+        self.cases += 1;
+        match case.verdict {
+            Verdict::Pass => self.passed += 1,
+            Verdict::Fail => self.failed += 1,
+        }
+        let c = &mut self.counts;
+        if cases::rolled_back(run.status) {
+            c.rolled_back += 1;
+            c.restored += usize::from(case.digest_after == case.digest_before);
+        }
+        for step in &run.steps {
+            let executed = matches!(
+                step.status,
+                StepStatus::Completed
+                    | StepStatus::Compensated
+                    | StepStatus::CompensationFailed
+                    | StepStatus::Uncertain
+            );
+            if executed && saga.plan.step(&step.id).is_some_and(|(_, s)| s.side_effects) {
+                c.side_effects += 1;
+                c.covered += usize::from(step.compensator.is_some());
+            }
+            c.compensation_attempts += step.compensation_attempts as usize;
+        }
+        c.compensations += run.compensated.len();
+        self.finish();
+    }
+
+    fn merge(&mut self, other: &Metrics) {
+        self.cases += other.cases;
+        self.passed += other.passed;
+        self.failed += other.failed;
+        let (c, o) = (&mut self.counts, &other.counts);
+        c.rolled_back += o.rolled_back;
+        c.restored += o.restored;
+        c.side_effects += o.side_effects;
+        c.covered += o.covered;
+        c.compensations += o.compensations;
+        c.compensation_attempts += o.compensation_attempts;
+        self.finish();
+    }
+
+    fn finish(&mut self) {
+        let ratio = |a: usize, b: usize| if b == 0 { 1.0 } else { ((a as f64 / b as f64) * 1e6).round() / 1e6 };
+        let c = self.counts;
+        self.rollback_success_rate = ratio(c.restored, c.rolled_back);
+        self.compensation_coverage = ratio(c.covered, c.side_effects);
+        self.compensation_efficiency = ratio(c.compensations, c.compensation_attempts);
+    }
+}
+
+/// The campaign of one saga.
+#[derive(Clone, Debug, Serialize)]
+pub struct SagaReport {
+    pub saga: String,
+    pub file: PathBuf,
+    /// SHA-256 of every plugin the saga calls.
+    pub plugins: BTreeMap<String, String>,
+    pub fixture_digest: String,
+    pub ledgers: Vec<String>,
+    pub metrics: Metrics,
+    pub cases: Vec<CaseReport>,
+}
+
+/// The reproducible report of a campaign: no wall-clock time in it.
+#[derive(Clone, Debug, Serialize)]
+pub struct CampaignReport {
+    pub sagabox: &'static str,
+    pub seed: u64,
+    pub runs: usize,
+    pub faults: Vec<FaultKind>,
+    pub totals: Metrics,
+    pub sagas: Vec<SagaReport>,
+}
+
+impl CampaignReport {
+    pub fn passed(&self) -> bool {
+        self.totals.failed == 0
+    }
+}
+
+/// Wall-clock measurements of a campaign, kept out of the reproducible report.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Timing {
+    pub cases: usize,
+    pub seconds: f64,
+    pub cases_per_second: f64,
+    /// From the compensation being triggered to the saga finishing, in microseconds.
+    pub rollback_latency_us: Percentiles,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Percentiles {
+    pub p50: u64,
+    pub p90: u64,
+    pub p99: u64,
+    pub max: u64,
+}
+
+impl Percentiles {
+    fn of(mut samples: Vec<u64>) -> Percentiles {
+        samples.sort_unstable();
+        let at = |q: f64| samples.get(((samples.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0);
+        Percentiles { p50: at(0.5), p90: at(0.9), p99: at(0.99), max: samples.last().copied().unwrap_or(0) }
+    }
+}
+
+/// What the clean run of a saga came to.
+struct CleanRun {
+    status: Status,
+    failed_step: Option<String>,
+    state: State,
+}
+
+/// The run id every case of a saga uses, so that the records its tools create get the same
+/// ids in every case (and completed cases can be compared with the clean run).
+fn run_id(saga: &Saga) -> String {
+    format!("verify-{}", saga.name)
+}
+
+/// Runs one case from the initial snapshot.
+async fn run_case(runtime: &Runtime, subject: &Subject, faults: FaultPlan, seed: u64) -> (RunReport, State) {
+    let backend = MemoryBackend::new(subject.initial.clone());
+    let mut options = RunOptions::new(run_id(&subject.saga), subject.input.clone());
+    options.seed = seed;
+    options.faults = faults;
+    options.deterministic = true;
+    let report = saga::run(runtime, &subject.saga, &backend, options).await;
+    (report, backend.store.snapshot())
+}
+
+/// Runs the campaign of every subject. `progress` hears of every finished case.
+pub async fn run_campaign(
+    runtime: Arc<Runtime>,
+    subjects: &[Subject],
+    options: &CampaignOptions,
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> (CampaignReport, Timing) {
+    let started = std::time::Instant::now();
+    let mut sagas = Vec::new();
+    let mut latencies = Vec::new();
+    let mut plans = Vec::new();
+    for subject in subjects {
+        let (clean, clean_state) = run_case(&runtime, subject, FaultPlan::none(), options.seed).await;
+        let mut cases = cases::build(&subject.saga, &clean, &options.kinds, options.seed, options.runs);
+        if let Some(only) = &options.only_case {
+            cases.retain(|c| &c.id == only);
+            if cases.is_empty()
+                && let Some(r) = only.strip_prefix("random-").and_then(|r| r.parse().ok())
+            {
+                cases.push(cases::random_case(&subject.saga, options.seed, r));
+            }
+        }
+        let clean = CleanRun { status: clean.status, failed_step: clean.failed_step.clone(), state: clean_state };
+        plans.push((subject, Arc::new(clean), cases));
+    }
+    let total: usize = plans.iter().map(|(_, _, c)| c.len()).sum();
+    let mut done = 0;
+    let permits = Arc::new(tokio::sync::Semaphore::new(options.concurrency.max(1)));
+    for (subject, clean, cases) in plans {
+        let mut tasks = Vec::new();
+        for case in cases {
+            let (runtime, subject, clean, permits) = (runtime.clone(), subject.clone(), clean.clone(), permits.clone());
+            let seed = options.seed;
+            tasks.push(tokio::spawn(async move {
+                let _permit = permits.acquire_owned().await;
+                let (report, state) = run_case(&runtime, &subject, case.faults.clone(), seed).await;
+                let verdict = judge(&subject, &case, &report, &state, &clean, seed);
+                (verdict, report)
+            }));
+        }
+        let mut metrics = Metrics::default();
+        let mut reports = Vec::new();
+        for task in tasks {
+            let (case_report, run) = match task.await {
+                Ok(result) => result,
+                Err(e) => {
+                    tracing::error!("a verification case panicked: {e}");
+                    continue;
+                }
+            };
+            metrics.add(&case_report, &run, &subject.saga);
+            if let Some(latency) = rollback_latency(&run) {
+                latencies.push(latency);
+            }
+            reports.push(case_report);
+            done += 1;
+            progress(done, total);
+        }
+        sagas.push(SagaReport {
+            saga: subject.saga.name.clone(),
+            file: subject.saga.path.clone(),
+            plugins: plugins_of(&runtime, &subject.saga),
+            fixture_digest: subject.initial.digest(),
+            ledgers: subject.saga.plan.ledgers.clone(),
+            metrics,
+            cases: reports,
+        });
+    }
+    let mut totals = Metrics::default();
+    sagas.iter().for_each(|s| totals.merge(&s.metrics));
+    let seconds = started.elapsed().as_secs_f64();
+    let report = CampaignReport {
+        sagabox: env!("CARGO_PKG_VERSION"),
+        seed: options.seed,
+        runs: options.runs,
+        faults: options.kinds.clone(),
+        totals,
+        sagas,
+    };
+    let timing = Timing {
+        cases: done,
+        seconds,
+        cases_per_second: done as f64 / seconds.max(1e-9),
+        rollback_latency_us: Percentiles::of(latencies),
+    };
+    (report, timing)
+}
+
+fn plugins_of(runtime: &Runtime, saga: &Saga) -> BTreeMap<String, String> {
+    let tools =
+        saga.plan.steps.iter().flat_map(|s| std::iter::once(&s.tool).chain(s.compensator.as_ref().map(|c| &c.tool)));
+    tools
+        .filter_map(|tool| runtime.resolve(tool).ok())
+        .map(|(plugin, _)| (plugin.name.clone(), plugin.sha256.clone()))
+        .collect()
+}
+
+fn rollback_latency(run: &RunReport) -> Option<u64> {
+    use crate::saga::journal::EventKind;
+    let triggered = run.events.iter().find(|e| e.event == EventKind::CompensationTriggered)?;
+    let finished = run.events.iter().rev().find(|e| e.event == EventKind::SagaFinished)?;
+    Some(finished.at_us.saturating_sub(triggered.at_us))
+}
+
+/// Documents of `expected` (`{ns: {key: doc | null}}`) that `state` does not match.
+fn expected_mismatches(expected: &Value, state: &State) -> Vec<DiffEntry> {
+    let mut out = Vec::new();
+    for (ns, docs) in expected.as_object().into_iter().flatten() {
+        for (key, want) in docs.as_object().into_iter().flatten() {
+            let have = state.get(ns, key).map(|d| serde_json::from_str::<Value>(&d.text).unwrap_or(Value::Null));
+            let want = (!want.is_null()).then(|| want.clone());
+            let same = match (&have, &want) {
+                (Some(h), Some(w)) => crate::json::canonical(h) == crate::json::canonical(w),
+                (None, None) => true,
+                _ => false,
+            };
+            if !same {
+                out.push(DiffEntry {
+                    namespace: ns.clone(),
+                    key: key.clone(),
+                    change: "unexpected",
+                    fields: Vec::new(),
+                    before: want,
+                    after: have,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Compares a case's outcome with what it had to end in.
+fn judge(subject: &Subject, case: &Case, run: &RunReport, state: &State, clean: &CleanRun, seed: u64) -> CaseReport {
+    let saga = &subject.saga;
+    let ledgers = &saga.plan.ledgers;
+    let initial = &subject.initial;
+    let restored_diff = || diff(initial, state, ledgers);
+    let mut diff_entries = Vec::new();
+    let failure_of_compensation: BTreeSet<&str> = run.compensation_failures.iter().map(|f| f.step.as_str()).collect();
+
+    let result: Result<String, String> = match run.status {
+        Status::Completed => match &case.expect {
+            Expect::RolledBack { .. } | Expect::CompensationFailed { .. } => {
+                Err("the saga completed, but this fault had to make it fail".into())
+            }
+            Expect::SameAsClean if clean.status != Status::Completed => {
+                Err(format!("the saga completed, but the clean run ended {}", clean.status.as_str()))
+            }
+            _ => {
+                diff_entries = diff(&clean.state, state, &[]);
+                if !diff_entries.is_empty() {
+                    Err("the saga completed at a different state than the clean run".into())
+                } else if let Some(mismatch) = subject.expected.as_ref().map(|e| expected_mismatches(e, state))
+                    && !mismatch.is_empty()
+                {
+                    diff_entries = mismatch;
+                    Err("the completed state does not match the saga's expected state".into())
+                } else {
+                    Ok("completed at the expected state".into())
+                }
+            }
+        },
+        Status::Failed | Status::TimedOut => {
+            diff_entries = restored_diff();
+            let wrong_step = match &case.expect {
+                Expect::RolledBack { failed_step } if run.failed_step.as_deref() != Some(failed_step) => {
+                    Some(format!("failed at {:?}, expected at '{failed_step}'", run.failed_step))
+                }
+                Expect::CompensationFailed { step } => {
+                    Some(format!("every compensation succeeded, but the compensator of '{step}' had to give up"))
+                }
+                Expect::SameAsClean if clean.status == Status::Completed => {
+                    Some("the saga failed, but the clean run completed and this fault had to be absorbed".into())
+                }
+                Expect::SameAsClean if run.failed_step != clean.failed_step => {
+                    Some(format!("failed at {:?}, the clean run at {:?}", run.failed_step, clean.failed_step))
+                }
+                _ => None,
+            };
+            if let Some(reason) = wrong_step {
+                Err(reason)
+            } else if !diff_entries.is_empty() {
+                Err("the rollback did not restore the initial state".into())
+            } else {
+                Ok("rolled back to the initial state".into())
+            }
+        }
+        Status::CompensationFailed => {
+            let actual = restored_diff();
+            let reported: BTreeSet<(String, String, String)> =
+                run.residue.iter().map(|c| (c.namespace.clone(), c.key.clone(), c.change.clone())).collect();
+            let observed: BTreeSet<(String, String, String)> =
+                actual.iter().map(|d| (d.namespace.clone(), d.key.clone(), d.change.to_string())).collect();
+            let allowed: BTreeSet<&str> = case
+                .faults
+                .iter()
+                .filter(|(_, phase, fault)| {
+                    *phase == Phase::Compensation
+                        && match fault {
+                            saga::Fault::Permanent => true,
+                            saga::Fault::Transient { failures } => {
+                                *failures >= saga.plan.compensation_retry.max_attempts
+                            }
+                            _ => false,
+                        }
+                })
+                .map(|(step, _, _)| step)
+                .collect();
+            diff_entries = actual;
+            if let Some(unexpected) = failure_of_compensation.iter().find(|s| !allowed.contains(*s)) {
+                Err(format!("the compensator of '{unexpected}' failed without an injected fault to explain it"))
+            } else if reported != observed {
+                Err("the residue the run reported differs from the state it left".into())
+            } else {
+                Ok(format!("compensation of {failure_of_compensation:?} gave up; residue reported exactly"))
+            }
+        }
+    };
+    let ledger_changes = diff(initial, state, &[])
+        .into_iter()
+        .filter(|d| ledgers.contains(&d.namespace))
+        .map(|d| format!("{} {}/{}", d.change, d.namespace, d.key))
+        .collect();
+    let (verdict, reason) = match result {
+        Ok(reason) => (Verdict::Pass, reason),
+        Err(reason) => (Verdict::Fail, reason),
+    };
+    if verdict == Verdict::Pass && run.status != Status::CompensationFailed {
+        diff_entries.clear();
+    }
+    CaseReport {
+        id: case.id.clone(),
+        faults: case.faults.clone(),
+        expected: case.expect.clone(),
+        observed: run.status,
+        failed_step: run.failed_step.clone(),
+        compensated: run.compensated.clone(),
+        compensation_failed: run.compensation_failures.iter().map(|f| f.step.clone()).collect(),
+        digest_before: initial.digest_excluding(ledgers),
+        digest_after: state.digest_excluding(ledgers),
+        diff: diff_entries,
+        ledger_changes,
+        verdict,
+        reason,
+        replay: format!("sagabox verify {} --seed {seed} --case {}", saga.path.display(), case.id),
+    }
+}

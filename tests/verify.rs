@@ -1,0 +1,215 @@
+//! Verification campaigns: reproducible, complete, and able to catch a wrong compensator.
+
+mod support;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use sagabox::runtime::Runtime;
+use sagabox::saga::{Fault, Phase, Saga, Status};
+use sagabox::store::fixture;
+use sagabox::verify::{self, CampaignOptions, CampaignReport, FaultKind, Subject, Verdict};
+use serde_json::Value;
+use support::*;
+use tokio::sync::OnceCell;
+
+async fn shared_runtime() -> Arc<Runtime> {
+    static RUNTIME: OnceCell<Arc<Runtime>> = OnceCell::const_new();
+    RUNTIME.get_or_init(|| async { Arc::new(runtime().await) }).await.clone()
+}
+
+async fn subject(path: &Path) -> Subject {
+    let runtime = shared_runtime().await;
+    let saga = Saga::load(path, &runtime).unwrap_or_else(|e| panic!("{e}"));
+    let read = |p: &Option<std::path::PathBuf>| -> Option<Value> {
+        p.as_ref().map(|p| serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap())
+    };
+    Subject {
+        initial: fixture::load(saga.companions.fixture.as_ref().unwrap()).unwrap(),
+        input: read(&saga.companions.input).unwrap_or_default(),
+        expected: read(&saga.companions.expected),
+        saga: Arc::new(saga),
+    }
+}
+
+async fn campaign(paths: &[&Path], seed: u64, runs: usize) -> CampaignReport {
+    let mut subjects = Vec::new();
+    for path in paths {
+        subjects.push(subject(path).await);
+    }
+    let options = CampaignOptions { seed, runs, ..CampaignOptions::default() };
+    verify::run_campaign(shared_runtime().await, &subjects, &options, &|_, _| {}).await.0
+}
+
+fn shipped() -> Vec<std::path::PathBuf> {
+    sagabox::saga::saga_files(&[sagas_dir()]).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_shipped_saga_passes_its_whole_campaign() {
+    let paths = shipped();
+    assert_eq!(paths.len(), 7);
+    let refs: Vec<&Path> = paths.iter().map(|p| p.as_path()).collect();
+    let report = campaign(&refs, 0, 25).await;
+    for saga in &report.sagas {
+        if let Some(case) = saga.cases.iter().find(|c| c.verdict == Verdict::Fail) {
+            panic!("{} / {}: {} {:?}", saga.saga, case.id, case.reason, case.diff);
+        }
+        let kinds: Vec<&str> = saga.cases.iter().map(|c| c.id.rsplit(':').next().unwrap()).collect();
+        for kind in ["clean", "rejected", "trap", "fuel", "timeout", "transient", "permanent", "repeat"] {
+            assert!(kinds.contains(&kind), "{}: no '{kind}' case", saga.saga);
+        }
+        assert_eq!(saga.metrics.rollback_success_rate, 1.0, "{}", saga.saga);
+        assert_eq!(saga.metrics.compensation_coverage, 1.0, "{}", saga.saga);
+        assert_eq!(saga.plugins.len(), saga.plugins.values().filter(|s| s.len() == 64).count());
+    }
+    assert!(report.passed());
+    assert!(report.totals.cases > 300, "{}", report.totals.cases);
+
+    // Lost responses are compensated, and pass.
+    let lost: Vec<_> =
+        report.sagas.iter().flat_map(|s| &s.cases).filter(|c| c.id.ends_with(":lost_response")).collect();
+    assert!(lost.len() >= 10);
+    assert!(lost.iter().all(|c| c.verdict == Verdict::Pass && c.compensated.contains(&c.failed_step.clone().unwrap())));
+
+    // A permanent compensator failure is reported as compensation_failed, with its residue.
+    let permanent: Vec<_> =
+        report.sagas.iter().flat_map(|s| &s.cases).filter(|c| c.id.ends_with(":compensation:permanent")).collect();
+    assert!(!permanent.is_empty());
+    for case in permanent {
+        assert_eq!(case.observed, Status::CompensationFailed, "{}", case.id);
+        assert!(!case.diff.is_empty(), "{}: no residue", case.id);
+        assert_ne!(case.digest_after, case.digest_before);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_same_seed_gives_the_same_report_bytes_and_another_seed_other_schedules() {
+    let paths = [sagas_dir().join("ct1-payment-failure.json"), sagas_dir().join("trip-dag.json")];
+    let refs: Vec<&Path> = paths.iter().map(|p| p.as_path()).collect();
+    let first = serde_json::to_string_pretty(&campaign(&refs, 42, 30).await).unwrap();
+    let second = serde_json::to_string_pretty(&campaign(&refs, 42, 30).await).unwrap();
+    assert_eq!(first, second, "the same seed gave different reports");
+    assert!(!first.contains("_us\""), "the report carries wall-clock times");
+
+    let schedules = |report: &CampaignReport| -> Vec<String> {
+        report
+            .sagas
+            .iter()
+            .flat_map(|s| &s.cases)
+            .filter(|c| c.id.starts_with("random-"))
+            .map(|c| format!("{:?}", c.faults))
+            .collect()
+    };
+    let a = campaign(&refs, 42, 30).await;
+    let b = campaign(&refs, 43, 30).await;
+    assert_eq!(schedules(&a).len(), 60);
+    assert_ne!(schedules(&a), schedules(&b), "another seed drew the same schedules");
+    assert!(b.passed() && a.passed());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_compensator_that_forgets_the_seats_is_caught_with_its_diff() {
+    let path = sagas_dir().join("buggy-cancel/buggy-cancel.json");
+    let report = campaign(&[&path], 0, 5).await;
+    assert!(!report.passed());
+    let saga = &report.sagas[0];
+    let clean = saga.cases.iter().find(|c| c.id == "clean").unwrap();
+    assert_eq!(clean.verdict, Verdict::Fail);
+    assert_eq!(clean.observed, Status::Failed, "the buggy rollback looks like a success to the saga");
+    assert_eq!(clean.diff.len(), 1, "{:?}", clean.diff);
+    let entry = &clean.diff[0];
+    assert_eq!((entry.namespace.as_str(), entry.key.as_str(), entry.change), ("flights", "HAT001", "changed"));
+    assert_eq!(entry.fields, ["/dates/2024-05-16/available_seats/economy"]);
+    assert_eq!(
+        entry.before.as_ref().unwrap().pointer("/dates/2024-05-16/available_seats/economy"),
+        Some(&Value::from(9))
+    );
+    assert_eq!(
+        entry.after.as_ref().unwrap().pointer("/dates/2024-05-16/available_seats/economy"),
+        Some(&Value::from(8))
+    );
+    assert!(clean.replay.contains("--case clean"), "{}", clean.replay);
+    // The bug shows whenever the flight is cancelled, and only then.
+    for case in &saga.cases {
+        let flight_undone = case.compensated.iter().any(|s| s == "flight");
+        if flight_undone && case.observed == Status::Failed {
+            assert_eq!(case.verdict, Verdict::Fail, "{}", case.id);
+        }
+    }
+    let not_booked = saga.cases.iter().find(|c| c.id == "flight:rejected").unwrap();
+    assert_eq!(not_booked.verdict, Verdict::Pass);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_case_can_be_replayed_alone_and_fault_kinds_can_be_chosen() {
+    let path = sagas_dir().join("ct1-payment-failure.json");
+    let subject = subject(&path).await;
+    let only = CampaignOptions { seed: 9, only_case: Some("hotel:lost_response".into()), ..CampaignOptions::default() };
+    let (report, timing) =
+        verify::run_campaign(shared_runtime().await, std::slice::from_ref(&subject), &only, &|_, _| {}).await;
+    let cases = &report.sagas[0].cases;
+    assert_eq!(cases.len(), 1);
+    assert_eq!(cases[0].faults.get("hotel", Phase::Action), Some(Fault::LostResponse));
+    assert_eq!(timing.cases, 1);
+
+    let random = CampaignOptions { seed: 9, only_case: Some("random-17".into()), ..CampaignOptions::default() };
+    let (report, _) =
+        verify::run_campaign(shared_runtime().await, std::slice::from_ref(&subject), &random, &|_, _| {}).await;
+    assert_eq!(report.sagas[0].cases.len(), 1);
+    assert_eq!(report.sagas[0].cases[0].id, "random-17");
+
+    let kinds = CampaignOptions { kinds: vec![FaultKind::Trap], runs: 0, ..CampaignOptions::default() };
+    let (report, _) = verify::run_campaign(shared_runtime().await, &[subject], &kinds, &|_, _| {}).await;
+    let ids: Vec<&str> = report.sagas[0].cases.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids, ["clean", "flight:trap", "hotel:trap", "payment:trap"]);
+}
+
+#[test]
+fn the_cli_writes_identical_reports_and_fails_on_the_buggy_saga() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_sagabox"))
+            .args(args)
+            .env("SAGABOX_CACHE_DIR", shared_cache())
+            .output()
+            .unwrap()
+    };
+    let sagas = sagas_dir();
+    let report = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let (a, b) = (report("a.json"), report("b.json"));
+    let out = run(&["verify", sagas.to_str().unwrap(), "--seed", "5", "--runs", "10", "--report", &a]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    let out = run(&["verify", sagas.to_str().unwrap(), "--seed", "5", "--runs", "10", "--report", &b]);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("every case passed"));
+
+    let buggy = sagas.join("buggy-cancel/buggy-cancel.json");
+    let out = run(&["verify", buggy.to_str().unwrap(), "--runs", "3"]);
+    assert_eq!(out.status.code(), Some(1));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("changed flights/HAT001"), "{text}");
+    assert!(text.contains("/dates/2024-05-16/available_seats/economy: 9 -> 8"), "{text}");
+    assert!(text.contains("replay: sagabox verify"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_completed_run_must_reach_the_declared_expected_state() {
+    let dir = tempfile::tempdir().unwrap();
+    for suffix in ["json", "input.json", "fixture.json", "expected.json"] {
+        std::fs::copy(sagas_dir().join(format!("travel.{suffix}")), dir.path().join(format!("travel.{suffix}")))
+            .unwrap();
+    }
+    let expected_path = dir.path().join("travel.expected.json");
+    let mut expected: Value = serde_json::from_str(&std::fs::read_to_string(&expected_path).unwrap()).unwrap();
+    assert_eq!(campaign(&[&dir.path().join("travel.json")], 0, 0).await.totals.failed, 0);
+
+    expected["flights"]["HAT001"]["dates"]["2024-05-16"]["available_seats"]["economy"] = Value::from(8);
+    std::fs::write(&expected_path, expected.to_string()).unwrap();
+    let report = campaign(&[&dir.path().join("travel.json")], 0, 0).await;
+    let clean = report.sagas[0].cases.iter().find(|c| c.id == "clean").unwrap();
+    assert_eq!(clean.verdict, Verdict::Fail);
+    assert!(clean.reason.contains("expected state"), "{}", clean.reason);
+    assert_eq!(clean.diff[0].key, "HAT001");
+}
