@@ -151,3 +151,38 @@ fn help_is_available_on_every_command() {
         assert!(stdout(&out).contains("Usage"), "{args:?}");
     }
 }
+
+#[test]
+fn a_policy_can_grant_a_directory_and_environment_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(artifact("hostile"), dir.path().join("granted.wasm")).unwrap();
+    std::fs::create_dir(dir.path().join("data")).unwrap();
+    std::fs::write(dir.path().join("data/hello.txt"), "hello from the host").unwrap();
+    std::fs::write(
+        dir.path().join("granted.policy.toml"),
+        "[store]\nwrite = [\"scratch\"]\n[wasi]\nenv = [\"GREETING\"]\ndirs = [{ host = \"data\", guest = \"/data\" }]\n",
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_sagabox"))
+            .args(["--plugins", dir.path().to_str().unwrap()])
+            .args(args)
+            .env("SAGABOX_CACHE_DIR", shared_cache())
+            .env("GREETING", "hi")
+            .env("SECRET", "hunter2")
+            .output()
+            .unwrap()
+    };
+    let out = run(&["call", "granted.read_file", "--args", r#"{"path": "/data/hello.txt"}"#]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("hello from the host"));
+
+    let out = run(&["call", "granted.env"]);
+    let seen: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(seen["all"], serde_json::json!({ "GREETING": "hi" }), "only the granted variable is visible");
+
+    // The same plugin without the grants sees neither.
+    let out = run(&["call", "hostile.read_file", "--args", r#"{"path": "/data/hello.txt"}"#]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(stderr(&out).contains("access denied: filesystem access"), "{}", stderr(&out));
+}

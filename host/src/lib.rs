@@ -3,8 +3,12 @@
 //!
 //! - [`runtime`]: loads tool plugins (WebAssembly components of the `wit/` world) and runs
 //!   each call in a fresh, limited sandbox;
-//! - [`store`]: the namespaced JSON documents tools act on, with snapshots, digests and diffs.
+//! - [`store`]: the namespaced JSON documents tools act on, with snapshots, digests and diffs;
+//! - [`saga`]: sagas of tool calls, their execution and compensation;
+//! - [`verify`]: rollback verification campaigns;
+//! - [`durable`]: the SQLite backend that lets a crashed run resume.
 
+pub mod durable;
 pub mod ids;
 pub mod json;
 pub mod runtime;

@@ -8,6 +8,7 @@ use serde_json::json;
 
 use std::sync::Arc;
 
+use sagabox::durable::{Durability, SqliteBackend};
 use sagabox::runtime::{CallContext, CallOptions, EngineOptions, Runtime, RuntimeOptions};
 use sagabox::saga::{self, MemoryBackend, RunOptions, Saga, Status};
 use sagabox::store::generate::{self, Scale};
@@ -194,7 +195,7 @@ pub struct Args {
     /// Random schedules in the verification benchmark's campaign.
     #[arg(long, default_value_t = 1000)]
     campaign_runs: usize,
-    /// Benchmark groups to run: runtime, sagas, verify, snapshot [default: all].
+    /// Benchmark groups to run: runtime, sagas, verify, durable, snapshot [default: all].
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Print JSON instead of a table.
@@ -250,6 +251,32 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
                 format!("verification cases/s: ct1-payment-failure, {label} ({} cases)", timing.cases),
                 timing.cases_per_second,
             ));
+        }
+    }
+    if wants("durable") {
+        let (saga, state, input) = shipped_saga(&runtime, &args.sagas_dir, "ct1-payment-failure")?;
+        let saga = Arc::new(saga);
+        for durability in [Durability::Normal, Durability::Full] {
+            let dir = tempfile_dir()?;
+            let db = Arc::new(SqliteBackend::open(&dir.join("bench.db"), durability)?);
+            db.seed(&state)?;
+            let sagas = (args.sagas / 10).max(100);
+            let started = Instant::now();
+            for i in 0..sagas {
+                let report =
+                    saga::run(&runtime, &saga, db.as_ref(), RunOptions::new(format!("d{i}"), input.clone())).await;
+                if report.status != Status::Failed {
+                    anyhow::bail!("durable ct1 ended {:?}: {:?}", report.status, report.error);
+                }
+            }
+            let per_second = sagas as f64 / started.elapsed().as_secs_f64();
+            let bytes = db.journal_bytes("d0")?;
+            rates.push((
+                format!("durable ct1 sagas/s, synchronous={durability:?} (journal {bytes} bytes/saga)"),
+                per_second,
+            ));
+            drop(db);
+            std::fs::remove_dir_all(&dir)?;
         }
     }
     if wants("snapshot") {

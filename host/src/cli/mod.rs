@@ -6,6 +6,7 @@
 
 mod bench;
 mod call;
+mod durable;
 mod fixtures;
 mod plugins;
 mod run;
@@ -78,6 +79,14 @@ enum Command {
     Call(call::Args),
     /// Run a saga; on failure, compensate the completed steps.
     Run(run::RunArgs),
+    /// Finish the unfinished runs of a durable database (after a crash).
+    Resume(durable::ResumeArgs),
+    /// List the runs of a durable database.
+    Runs(durable::RunsArgs),
+    /// Print a run's journal from a durable database, as JSON Lines.
+    Journal(durable::JournalArgs),
+    /// Print a database's (or fixture's) state as canonical JSON, or its digest.
+    State(durable::StateArgs),
     /// Check sagas against the loaded plugins without running them.
     Validate(run::ValidateArgs),
     /// Run a rollback verification campaign over sagas; fails when any case fails.
@@ -112,6 +121,10 @@ pub fn main() -> ExitCode {
             Command::Call(args) => call::run(&cli.plugins, args).await,
             Command::Run(args) => run::run(&cli.plugins, args).await,
             Command::Validate(args) => run::validate(&cli.plugins, args).await,
+            Command::Resume(args) => durable::resume(&cli.plugins, args).await,
+            Command::Runs(args) => durable::runs(args),
+            Command::Journal(args) => durable::journal(args),
+            Command::State(args) => durable::state(args),
             Command::Verify(args) => verify::run(&cli.plugins, args).await,
             Command::Fixtures(command) => fixtures::run(command),
             Command::Bench(args) => bench::run(&cli.plugins, args).await,

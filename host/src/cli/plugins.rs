@@ -36,10 +36,12 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
     table.load_preset(UTF8_BORDERS_ONLY).set_header(["tool", "effects", "compensator", "description"]);
     for plugin in runtime.plugins() {
         for tool in plugin.tools.values() {
-            let compensator = match (&tool.info.compensator, tool.info.side_effects) {
-                (Some(c), _) => format!("{}.{c}", plugin.name),
-                (None, true) => "(none)".into(),
-                (None, false) => String::new(),
+            let undoes = plugin.tools.values().find(|t| t.info.compensator.as_ref() == Some(&tool.info.name));
+            let compensator = match (&tool.info.compensator, undoes, tool.info.side_effects) {
+                (Some(c), _, _) => format!("{}.{c}", plugin.name),
+                (None, Some(forward), _) => format!("(undoes {}.{})", plugin.name, forward.info.name),
+                (None, None, true) => "(none)".into(),
+                (None, None, false) => String::new(),
             };
             let effects = if tool.info.side_effects { "writes" } else { "reads" };
             table.add_row([

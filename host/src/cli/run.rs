@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
+use sagabox::durable::{RunRecord, SqliteBackend};
 use sagabox::runtime::Runtime;
 use sagabox::saga::journal::JsonLinesFile;
 use sagabox::saga::{self, Fault, FaultPlan, MemoryBackend, Phase, RunOptions, RunReport, Saga, Status};
@@ -51,6 +52,15 @@ pub struct RunArgs {
     /// Print the report as JSON (status, failed_step, compensated, output, steps, events, ...).
     #[arg(long)]
     json: bool,
+
+    /// Keep the state and the journal in this SQLite database, so that a crashed run can be
+    /// resumed (`sagabox resume`). A new database is seeded from the saga's fixture (or --state).
+    #[arg(long, value_name = "FILE")]
+    db: Option<PathBuf>,
+
+    /// With --db: normal survives a killed process; full also survives power loss.
+    #[arg(long, value_enum, default_value = "normal", requires = "db")]
+    durability: sagabox::durable::Durability,
 }
 
 #[derive(clap::Args)]
@@ -131,10 +141,47 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
         let sink = JsonLinesFile::create(path).with_context(|| format!("cannot create journal {}", path.display()))?;
         options.journal = Some(Arc::new(sink));
     }
-    let backend = MemoryBackend::new(state);
-    let report = saga::run(&runtime, &saga, &backend, options).await;
+    let (report, final_state) = match &args.db {
+        None => {
+            let backend = MemoryBackend::new(state);
+            let report = saga::run(&runtime, &saga, &backend, options).await;
+            (report, backend.store.snapshot())
+        }
+        Some(path) => {
+            let db = SqliteBackend::open(path, args.durability)?;
+            if db.is_new()? {
+                db.seed(&state)?;
+            } else if args.state.is_some() {
+                bail!("{} already holds a state; --state only seeds a new database", path.display());
+            }
+            let unfinished = db.runs()?.iter().filter(|r| r.status == "running").count();
+            if unfinished > 0 {
+                eprintln!(
+                    "note: {} holds {unfinished} unfinished run(s); `sagabox resume --db {}` finishes them",
+                    path.display(),
+                    path.display()
+                );
+            }
+            db.register_run(&RunRecord {
+                run_id: options.run_id.clone(),
+                saga: saga.name.clone(),
+                saga_path: saga.path.display().to_string(),
+                definition: std::fs::read_to_string(&saga.path)
+                    .with_context(|| format!("cannot read {}", saga.path.display()))?,
+                input: options.input.clone(),
+                seed: options.seed,
+                status: "running".into(),
+                pid: std::process::id(),
+                started_ms: 0,
+                finished_ms: None,
+            })?;
+            let report = saga::run(&runtime, &saga, &db, options).await;
+            let state = db.current_state()?;
+            (report, state)
+        }
+    };
     if let Some(path) = &args.write_state {
-        std::fs::write(path, backend.store.snapshot().to_canonical_json())
+        std::fs::write(path, final_state.to_canonical_json())
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     if args.json {
@@ -145,7 +192,7 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
     Ok(if report.status == Status::Completed { Outcome::Success } else { Outcome::Failure })
 }
 
-fn print_summary(report: &RunReport) {
+pub fn print_summary(report: &RunReport) {
     let status = report.status.as_str();
     match &report.failed_step {
         Some(step) => println!("saga {} (run {}): {status} at step '{step}'", report.saga, report.run_id),

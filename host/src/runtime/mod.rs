@@ -359,15 +359,16 @@ impl Runtime {
         if self.engines.options().fuel {
             *fuel_used = limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
         }
-        let outcome = match run {
-            Err(_elapsed) => {
+        let armed = store.data().armed;
+        let outcome = match (run, armed) {
+            (Err(_elapsed), _) => {
                 Err(CallError::DeadlineExceeded { tool: qualified.into(), deadline_ms: limits.deadline_ms })
             }
-            Ok(Err(e)) => Err(classify(qualified, e, &store, limits)),
+            (Ok(Err(e)), _) => Err(classify(qualified, e, &store, limits)),
             // An injected fault that found no store write to fire at fires at the return.
-            Ok(Ok(_)) if store.data().armed.is_some() => Err(injected(qualified, fault_of(&store), limits)),
-            Ok(Ok(Err(tool_error))) => Err(tool_failure(qualified, tool_error)),
-            Ok(Ok(Ok(output))) => parse_output(qualified, &output, limits),
+            (Ok(Ok(_)), Some(fault)) => Err(injected(qualified, fault, limits)),
+            (Ok(Ok(Err(tool_error))), None) => Err(tool_failure(qualified, tool_error)),
+            (Ok(Ok(Ok(output))), None) => parse_output(qualified, &output, limits),
         };
         *txn = std::mem::replace(&mut store.data_mut().txn, Txn::new(State::default(), limits.write_quota()));
         outcome
@@ -449,10 +450,6 @@ fn tool_failure(tool: &str, error: bindings::exports::sagabox::plugin::tool::Too
         E::Rejected(message) => CallError::Rejected { tool, message },
         E::Transient(message) => CallError::Transient { tool, message },
     }
-}
-
-fn fault_of(store: &Store<CallState>) -> InjectedFault {
-    store.data().armed.unwrap_or(InjectedFault::Trap)
 }
 
 fn injected(tool: &str, fault: InjectedFault, limits: &Limits) -> CallError {

@@ -206,8 +206,13 @@ pub enum DefinitionError {
 /// Reads and parses a saga file.
 pub fn read(path: &Path) -> Result<SagaDef, DefinitionError> {
     let text = std::fs::read_to_string(path).map_err(|error| DefinitionError::Io { path: path.into(), error })?;
+    parse(&text, path)
+}
+
+/// Parses saga text; `path` names it in errors.
+pub fn parse(text: &str, path: &Path) -> Result<SagaDef, DefinitionError> {
     let file: SagaFile =
-        serde_json::from_str(&text).map_err(|error| DefinitionError::Parse { path: path.into(), error })?;
+        serde_json::from_str(text).map_err(|error| DefinitionError::Parse { path: path.into(), error })?;
     Ok(file.saga)
 }
 

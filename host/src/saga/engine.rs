@@ -45,6 +45,10 @@ pub struct RunOptions {
     pub max_concurrency: usize,
     /// Where events go as they happen (a JSON Lines file).
     pub journal: Option<Arc<dyn JournalSink>>,
+    /// The journal of an earlier, interrupted life of this run: resume it instead of
+    /// starting afresh. Completed steps are not run again; a compensation in progress is
+    /// finished; a step that never committed runs (with the same idempotency key).
+    pub resume: Vec<Event>,
 }
 
 impl RunOptions {
@@ -57,6 +61,7 @@ impl RunOptions {
             deterministic: false,
             max_concurrency: 8,
             journal: None,
+            resume: Vec::new(),
         }
     }
 }
@@ -85,6 +90,10 @@ struct Progress {
     status: BTreeMap<usize, StepStatus>,
     attempts: BTreeMap<(usize, Phase), u32>,
     failure: Option<StepFailure>,
+    /// A resumed run whose compensation had begun: why it began.
+    compensating: Option<ErrorInfo>,
+    /// Steps compensated in an earlier life of a resumed run, in order.
+    compensated_before: Vec<usize>,
 }
 
 /// `(namespace, key)`.
@@ -117,13 +126,14 @@ enum Attempt {
 /// in a report.
 pub async fn run(runtime: &Runtime, saga: &Saga, backend: &dyn Backend, options: RunOptions) -> RunReport {
     let span = tracing::info_span!("saga", saga = %saga.name, run_id = %options.run_id);
+    let prior = options.resume.clone();
     let run = Run {
         runtime,
         saga,
         backend,
         options,
         started: Instant::now(),
-        events: Mutex::default(),
+        events: Mutex::new(prior),
         progress: Mutex::default(),
         touched: Mutex::default(),
     };
@@ -193,15 +203,72 @@ impl Run<'_> {
         (u64::from_le_bytes(bytes) >> 11) as f64 / (1u64 << 53) as f64
     }
 
+    /// Rebuilds the progress of an interrupted run from its journal.
+    fn restore(&self) {
+        for event in &self.options.resume {
+            let Some((index, step)) = event.step.as_deref().and_then(|id| self.saga.plan.step(id)) else {
+                if event.event == EventKind::CompensationTriggered {
+                    lock(&self.progress).compensating = event.error.clone();
+                }
+                continue;
+            };
+            match event.event {
+                EventKind::StepCompleted if !lock(&self.progress).completed.iter().any(|(i, _)| *i == index) => {
+                    // Arguments are bound again: binding is deterministic given the input and
+                    // the outputs of the steps completed before.
+                    let args = self.bind(step).unwrap_or(Value::Null);
+                    let key = event.idempotency_key.clone().unwrap_or_default();
+                    let mut progress = lock(&self.progress);
+                    progress.status.insert(index, StepStatus::Completed);
+                    progress.attempts.insert((index, Phase::Action), event.attempt.unwrap_or(1));
+                    progress.completed.push((index, Completed { args, output: event.data.clone(), key }));
+                }
+                EventKind::StepFailed => {
+                    let error = event.error.clone().unwrap_or_else(|| ErrorInfo {
+                        code: "unknown".into(),
+                        kind: FailureKind::Contained,
+                        message: "failed before the run was interrupted".into(),
+                    });
+                    let mut progress = lock(&self.progress);
+                    progress.status.entry(index).or_insert(StepStatus::Failed);
+                    progress.failure.get_or_insert(StepFailure { step: index, error });
+                }
+                EventKind::CompensationCompleted => {
+                    let mut progress = lock(&self.progress);
+                    if !progress.compensated_before.contains(&index) {
+                        progress.compensated_before.push(index);
+                        progress.status.insert(index, StepStatus::Compensated);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
     async fn execute(&self) -> RunReport {
-        self.emit(Event::new(EventKind::SagaStarted).data(json!({
-            "saga": self.saga.name,
-            "seed": self.options.seed,
-            "input": self.options.input,
-            "faults": self.options.faults,
-        })));
+        if self.options.resume.is_empty() {
+            self.emit(Event::new(EventKind::SagaStarted).data(json!({
+                "saga": self.saga.name,
+                "seed": self.options.seed,
+                "input": self.options.input,
+                "faults": self.options.faults,
+            })));
+        } else {
+            self.restore();
+            let progress = lock(&self.progress);
+            let done: Vec<&str> = progress.completed.iter().map(|(i, _)| self.step(*i).id.as_str()).collect();
+            let event = Event::new(EventKind::SagaResumed).data(json!({ "completed": done }));
+            drop(progress);
+            self.emit(event);
+        }
+        // A resumed run that had already failed goes straight to compensation.
+        let decided = {
+            let progress = lock(&self.progress);
+            progress.compensating.is_some() || progress.failure.is_some()
+        };
         let forward = self.forward();
         let timed_out = match self.saga.plan.timeout {
+            _ if decided => false,
             Some(limit) => tokio::time::timeout(limit, forward).await.is_err(),
             None => {
                 forward.await;
@@ -221,7 +288,7 @@ impl Run<'_> {
             (progress.failure.clone(), progress.completed.clone())
         };
 
-        let mut error = failure.as_ref().map(|f| f.error.clone());
+        let mut error = lock(&self.progress).compensating.clone().or_else(|| failure.as_ref().map(|f| f.error.clone()));
         if timed_out {
             let limit = self.saga.plan.timeout.unwrap_or_default();
             error = Some(ErrorInfo {
@@ -277,7 +344,8 @@ impl Run<'_> {
     /// (in-flight steps then finish, and are compensated if they completed).
     async fn forward(&self) {
         let n = self.saga.plan.steps.len();
-        let mut launched = vec![false; n];
+        let restored: BTreeSet<usize> = lock(&self.progress).completed.iter().map(|(i, _)| *i).collect();
+        let mut launched: Vec<bool> = (0..n).map(|i| restored.contains(&i)).collect();
         let mut running = FuturesUnordered::new();
         loop {
             let failed = lock(&self.progress).failure.is_some();
@@ -541,13 +609,20 @@ impl Run<'_> {
             completed.iter().rev().map(|(i, _)| *i).filter(|i| plan.steps[*i].compensator.is_some()).collect();
         let forward: BTreeMap<usize, &Completed> = completed.iter().map(|(i, c)| (*i, c)).collect();
         let ids: Vec<&str> = order.iter().map(|i| plan.steps[*i].id.as_str()).collect();
-        self.emit(Event::new(EventKind::CompensationTriggered).error(reason.clone()).data(json!({ "steps": ids })));
+        let (resumed, before) = {
+            let progress = lock(&self.progress);
+            (progress.compensating.is_some(), progress.compensated_before.clone())
+        };
+        if !resumed {
+            self.emit(Event::new(EventKind::CompensationTriggered).error(reason.clone()).data(json!({ "steps": ids })));
+        }
 
         let pending: BTreeSet<usize> = order.iter().copied().collect();
-        let mut finished = BTreeSet::new();
-        let mut launched = BTreeSet::new();
+        // Compensations an earlier life of the run finished are not run again.
+        let mut finished: BTreeSet<usize> = before.iter().copied().collect();
+        let mut launched = finished.clone();
         let mut running = FuturesUnordered::new();
-        let mut compensated = Vec::new();
+        let mut compensated: Vec<String> = before.iter().map(|i| plan.steps[*i].id.clone()).collect();
         let mut failures = Vec::new();
         loop {
             for &i in &order {

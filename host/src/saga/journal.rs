@@ -15,6 +15,8 @@ use crate::runtime::{CallError, FailureKind};
 #[serde(rename_all = "snake_case")]
 pub enum EventKind {
     SagaStarted,
+    /// A run interrupted by a crash was picked up again.
+    SagaResumed,
     StepStarted,
     StepCompleted,
     StepFailed,

@@ -52,7 +52,15 @@ pub enum SagaError {
 impl Saga {
     /// Reads and validates the saga at `path`.
     pub fn load(path: &Path, runtime: &Runtime) -> Result<Saga, SagaError> {
-        let definition = definition::read(path)?;
+        Saga::build(definition::read(path)?, path, runtime)
+    }
+
+    /// Validates a saga from its text (as a durable run recorded it); `path` names it.
+    pub fn from_text(text: &str, path: &Path, runtime: &Runtime) -> Result<Saga, SagaError> {
+        Saga::build(definition::parse(text, path)?, path, runtime)
+    }
+
+    fn build(definition: SagaDef, path: &Path, runtime: &Runtime) -> Result<Saga, SagaError> {
         let plan = plan::plan(&definition, path, runtime)?;
         let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("saga").to_string();
         Ok(Saga {

@@ -123,6 +123,26 @@ impl State {
         Ok(state)
     }
 
+    /// Builds a state from stored documents `(namespace, key, canonical text, version)`,
+    /// the key-set versions of namespaces, and the last commit's version.
+    pub fn from_versioned(
+        docs: impl IntoIterator<Item = (String, String, String, u64)>,
+        keys_versions: impl IntoIterator<Item = (String, u64)>,
+        version: u64,
+    ) -> State {
+        let mut state = State { version, ..State::default() };
+        for (ns, key, text, doc_version) in docs {
+            let namespace = state.namespaces.entry(ns).or_default();
+            namespace.docs.insert(key, Doc::new(text.into(), doc_version));
+        }
+        for (ns, keys_version) in keys_versions {
+            if let Some(namespace) = state.namespaces.get_mut(&ns) {
+                namespace.keys_version = keys_version;
+            }
+        }
+        state
+    }
+
     /// The whole store as `{namespace: {key: document}}`.
     pub fn to_json(&self) -> Value {
         let mut out = serde_json::Map::new();
@@ -161,7 +181,11 @@ impl State {
     }
 
     /// Applies writes as commit `version`. `None` deletes.
-    fn apply<'a>(&mut self, version: u64, writes: impl IntoIterator<Item = (&'a str, &'a str, Option<&'a Arc<str>>)>) {
+    pub(crate) fn apply<'a>(
+        &mut self,
+        version: u64,
+        writes: impl IntoIterator<Item = (&'a str, &'a str, Option<&'a Arc<str>>)>,
+    ) {
         for (ns, key, text) in writes {
             let namespace = self.namespaces.entry(ns.to_string()).or_default();
             namespace.digest = OnceLock::new();

@@ -1,0 +1,180 @@
+//! `sagabox resume`, `runs`, `journal` and `state`: working with a durable database.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
+use sagabox::durable::{Durability, SqliteBackend};
+use sagabox::saga::{self, RunOptions, Saga, Status};
+use sagabox::store::{State, fixture};
+
+use super::run::print_summary;
+use super::{Outcome, PluginArgs};
+
+/// Where a durable run keeps everything.
+#[derive(clap::Args, Clone)]
+pub struct DbArgs {
+    /// The SQLite database (created if missing).
+    #[arg(long, value_name = "FILE")]
+    pub db: PathBuf,
+    /// normal: survives a killed process (WAL, synchronous=NORMAL); full: also power loss
+    /// (an fsync per commit).
+    #[arg(long, value_enum, default_value = "normal")]
+    pub durability: Durability,
+}
+
+impl DbArgs {
+    pub fn open(&self) -> anyhow::Result<SqliteBackend> {
+        Ok(SqliteBackend::open(&self.db, self.durability)?)
+    }
+}
+
+#[derive(clap::Args)]
+pub struct ResumeArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    /// Resume only this run [default: every unfinished run].
+    run_id: Option<String>,
+    /// Also resume runs whose process still seems alive.
+    #[arg(long)]
+    force: bool,
+    /// Print each report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct RunsArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(clap::Args)]
+pub struct JournalArgs {
+    #[command(flatten)]
+    db: DbArgs,
+    run_id: String,
+}
+
+#[derive(clap::Args)]
+pub struct StateArgs {
+    /// Read a database...
+    #[arg(long, value_name = "FILE", conflicts_with = "state", required_unless_present = "state")]
+    db: Option<PathBuf>,
+    /// ...or a fixture file or directory.
+    #[arg(long, value_name = "FIXTURE")]
+    state: Option<PathBuf>,
+    /// Print the SHA-256 digest (the one `verify` uses) instead of the canonical JSON.
+    #[arg(long)]
+    digest: bool,
+}
+
+/// Whether process `pid` is alive on this machine.
+fn alive(pid: u32) -> bool {
+    #[cfg(unix)]
+    {
+        // SAFETY: signal 0 only checks that the process exists.
+        pid != std::process::id() && unsafe { libc::kill(pid as libc::pid_t, 0) } == 0
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = pid;
+        false
+    }
+}
+
+pub async fn resume(plugin_args: &PluginArgs, args: ResumeArgs) -> anyhow::Result<Outcome> {
+    let runtime = plugin_args.load().await?;
+    let db = args.db.open()?;
+    let runs: Vec<_> = db
+        .runs()?
+        .into_iter()
+        .filter(|r| r.status == "running" && args.run_id.as_ref().is_none_or(|id| id == &r.run_id))
+        .collect();
+    if let Some(id) = &args.run_id
+        && runs.is_empty()
+    {
+        anyhow::bail!(
+            "{}: no unfinished run '{id}' (see `sagabox runs --db {}`)",
+            args.db.db.display(),
+            args.db.db.display()
+        );
+    }
+    let mut all_completed = true;
+    for record in runs {
+        if alive(record.pid) && !args.force {
+            eprintln!("skipping run {}: its process {} is still alive (use --force)", record.run_id, record.pid);
+            continue;
+        }
+        let saga = Saga::from_text(&record.definition, Path::new(&record.saga_path), &runtime)
+            .with_context(|| format!("cannot resume run {}", record.run_id))?;
+        let mut options = RunOptions::new(record.run_id.clone(), record.input.clone());
+        options.seed = record.seed;
+        options.resume = db.events(&record.run_id)?;
+        db.adopt_run(&record.run_id)?;
+        let report = saga::run(&runtime, &saga, &db, options).await;
+        all_completed &= report.status == Status::Completed;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            print_summary(&report);
+        }
+    }
+    Ok(if all_completed { Outcome::Success } else { Outcome::Failure })
+}
+
+pub fn runs(args: RunsArgs) -> anyhow::Result<Outcome> {
+    let db = args.db.open()?;
+    let runs = db.runs()?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&runs)?);
+        return Ok(Outcome::Success);
+    }
+    let mut table = Table::new();
+    table.load_preset(UTF8_BORDERS_ONLY).set_header(["run", "saga", "status", "started (unix ms)", "journal bytes"]);
+    for run in &runs {
+        let bytes = db.journal_bytes(&run.run_id)?;
+        table.add_row([
+            run.run_id.clone(),
+            run.saga.clone(),
+            run.status.clone(),
+            run.started_ms.to_string(),
+            bytes.to_string(),
+        ]);
+    }
+    println!("{table}");
+    Ok(Outcome::Success)
+}
+
+pub fn journal(args: JournalArgs) -> anyhow::Result<Outcome> {
+    let db = args.db.open()?;
+    let events = db.events(&args.run_id)?;
+    if events.is_empty() && !db.runs()?.iter().any(|r| r.run_id == args.run_id) {
+        anyhow::bail!("{}: no run '{}'", args.db.db.display(), args.run_id);
+    }
+    for event in events {
+        println!("{}", serde_json::to_string(&event)?);
+    }
+    Ok(Outcome::Success)
+}
+
+pub fn state(args: StateArgs) -> anyhow::Result<Outcome> {
+    let state: State = match (&args.db, &args.state) {
+        (Some(db), _) => {
+            if !db.exists() {
+                anyhow::bail!("no database at {}", db.display());
+            }
+            SqliteBackend::open(db, Durability::Normal)?.current_state()?
+        }
+        (None, Some(path)) => fixture::load(path)?,
+        (None, None) => anyhow::bail!("give --db FILE or --state FIXTURE"),
+    };
+    if args.digest {
+        println!("{}", state.digest());
+    } else {
+        println!("{}", state.to_canonical_json());
+    }
+    Ok(Outcome::Success)
+}
