@@ -566,3 +566,22 @@ fn the_cli_runs_sagas_and_reports_json() {
     assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), SHIPPED.len());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_native_build_of_the_tools_behaves_exactly_like_the_sandboxed_one() {
+    // The benchmarks compare the two; they must do the same work to the same state.
+    let native = Runtime::load(sagabox::runtime::RuntimeOptions { native_tools: true, ..options() }).await.unwrap();
+    for name in SHIPPED {
+        let case = case(name).await;
+        for faults in [FaultPlan::none(), FaultPlan::single(case.ids().last().unwrap(), Phase::Action, Fault::Rejected)]
+        {
+            let (sandboxed, sandboxed_state) = case.run(faults.clone()).await;
+            let backend = MemoryBackend::new(case.state.clone());
+            let report = saga::run(&native, &case.saga, &backend, case.options(faults)).await;
+            assert_eq!(report.status, sandboxed.status, "{name}");
+            assert_eq!(report.output, sandboxed.output, "{name}");
+            assert_eq!(report.compensated, sandboxed.compensated, "{name}");
+            assert_eq!(backend.store.snapshot().digest(), sandboxed_state.digest(), "{name}");
+        }
+    }
+}

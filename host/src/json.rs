@@ -5,8 +5,6 @@
 //! amount, so they must be the same text, or a refund that restores the amount would look
 //! like a change).
 
-use std::fmt::Write as _;
-
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -15,48 +13,51 @@ const EXACT_F64_INT: f64 = 9_007_199_254_740_992.0;
 
 /// `value` as canonical JSON text.
 pub fn canonical(value: &Value) -> String {
-    let mut out = String::new();
-    write_canonical(value, &mut out);
-    out
+    if has_whole_floats(value) {
+        let mut normalized = value.clone();
+        normalize_numbers(&mut normalized);
+        return to_text(&normalized);
+    }
+    to_text(value)
 }
 
 /// Parses `text` and returns its canonical form.
 pub fn canonicalize(text: &str) -> Result<String, serde_json::Error> {
-    Ok(canonical(&serde_json::from_str::<Value>(text)?))
+    let mut value: Value = serde_json::from_str(text)?;
+    normalize_numbers(&mut value);
+    Ok(to_text(&value))
 }
 
-fn write_canonical(value: &Value, out: &mut String) {
+/// serde_json's compact writer: with its default (sorted) maps this is already canonical
+/// for everything but whole-number floats, which `normalize_numbers` turns into integers.
+fn to_text(value: &Value) -> String {
+    serde_json::to_string(value).unwrap_or_default()
+}
+
+fn whole(n: &serde_json::Number) -> Option<i64> {
+    let f = n.as_f64()?;
+    (n.is_f64() && f.fract() == 0.0 && f.abs() < EXACT_F64_INT).then_some(f as i64)
+}
+
+fn has_whole_floats(value: &Value) -> bool {
     match value {
-        Value::Null | Value::Bool(_) | Value::String(_) => out.push_str(&value.to_string()),
-        Value::Number(n) => match n.as_f64() {
-            Some(f) if n.is_f64() && f.fract() == 0.0 && f.abs() < EXACT_F64_INT => {
-                let _ = write!(out, "{}", f as i64);
+        Value::Number(n) => whole(n).is_some(),
+        Value::Array(items) => items.iter().any(has_whole_floats),
+        Value::Object(map) => map.values().any(has_whole_floats),
+        _ => false,
+    }
+}
+
+fn normalize_numbers(value: &mut Value) {
+    match value {
+        Value::Number(n) => {
+            if let Some(i) = whole(n) {
+                *value = Value::from(i);
             }
-            _ => out.push_str(&n.to_string()),
-        },
-        Value::Array(items) => {
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                write_canonical(item, out);
-            }
-            out.push(']');
         }
-        Value::Object(map) => {
-            // serde_json's default map is a BTreeMap: iteration is already in key order.
-            out.push('{');
-            for (i, (key, item)) in map.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                out.push_str(&Value::String(key.clone()).to_string());
-                out.push(':');
-                write_canonical(item, out);
-            }
-            out.push('}');
-        }
+        Value::Array(items) => items.iter_mut().for_each(normalize_numbers),
+        Value::Object(map) => map.values_mut().for_each(normalize_numbers),
+        _ => {}
     }
 }
 

@@ -78,40 +78,57 @@ fn pool_state() -> State {
 /// each engine configuration.
 pub async fn per_call(calls: usize, cache_dir: Option<&Path>) -> anyhow::Result<Vec<Measurement>> {
     let configurations = [
-        ("pooling, fuel, epochs (default)", EngineOptions::default()),
-        ("on-demand allocator", EngineOptions { pooling: false, ..EngineOptions::default() }),
-        ("fuel off", EngineOptions { fuel: false, ..EngineOptions::default() }),
-        ("epochs off", EngineOptions { epochs: false, ..EngineOptions::default() }),
+        ("pooling, fuel, epochs (default)", EngineOptions::default(), false),
+        ("on-demand allocator", EngineOptions { pooling: false, ..EngineOptions::default() }, false),
+        ("fuel off", EngineOptions { fuel: false, ..EngineOptions::default() }, false),
+        ("epochs off", EngineOptions { epochs: false, ..EngineOptions::default() }, false),
+        ("native, no sandbox", EngineOptions::default(), true),
     ];
-    let mut out = Vec::new();
-    for (label, engine) in configurations {
-        let options =
-            RuntimeOptions { engine, cache_dir: cache_dir.map(Path::to_path_buf), ..RuntimeOptions::default() };
+    // All configurations are loaded first and measured in alternating rounds, so that the
+    // machine's drifts (frequency, neighbours) spread evenly over them.
+    let mut runtimes = Vec::new();
+    for (label, engine, native_tools) in configurations {
+        let options = RuntimeOptions {
+            engine,
+            native_tools,
+            cache_dir: cache_dir.map(Path::to_path_buf),
+            ..RuntimeOptions::default()
+        };
         let runtime = Runtime::load(options).await?;
-        let store = MemoryStore::new(pool_state());
-        let args = json!({ "pool_id": "bench", "amount": 1 });
-        let mut samples = Vec::with_capacity(calls);
-        for i in 0..calls + calls / 10 {
-            let options = CallOptions {
-                context: CallContext {
-                    saga_id: "bench".into(),
-                    step_id: "allocate".into(),
-                    attempt: 1,
-                    idempotency_key: format!("{i:064x}"),
-                },
-                ..CallOptions::default()
-            };
-            let started = Instant::now();
-            let outcome = runtime.call("resources.allocate", &args, &options, &store).await;
-            let elapsed = started.elapsed();
-            outcome.result.map_err(|e| anyhow::anyhow!("benchmark call failed: {e}"))?;
-            if i >= calls / 10 {
-                samples.push(elapsed); // the first tenth warms up
+        let name = if native_tools {
+            format!("call + commit: {label}")
+        } else {
+            format!("fresh instance + call + commit: {label}")
+        };
+        runtimes.push((name, runtime, MemoryStore::new(pool_state()), Vec::with_capacity(calls)));
+    }
+    let args = json!({ "pool_id": "bench", "amount": 1 });
+    let rounds = 10;
+    let mut key = 0u64;
+    for round in 0..=rounds {
+        for (_, runtime, store, samples) in runtimes.iter_mut() {
+            for _ in 0..calls.div_ceil(rounds) {
+                key += 1;
+                let options = CallOptions {
+                    context: CallContext {
+                        saga_id: "bench".into(),
+                        step_id: "allocate".into(),
+                        attempt: 1,
+                        idempotency_key: format!("{key:064x}"),
+                    },
+                    ..CallOptions::default()
+                };
+                let started = Instant::now();
+                let outcome = runtime.call("resources.allocate", &args, &options, store).await;
+                let elapsed = started.elapsed();
+                outcome.result.map_err(|e| anyhow::anyhow!("benchmark call failed: {e}"))?;
+                if round > 0 {
+                    samples.push(elapsed); // round 0 warms up
+                }
             }
         }
-        out.push(Measurement::from_samples(format!("fresh instance + call + commit: {label}"), samples));
     }
-    Ok(out)
+    Ok(runtimes.into_iter().map(|(name, _, _, samples)| Measurement::from_samples(name, samples)).collect())
 }
 
 /// Sagas per second, each on a fresh copy of its fixture, `concurrency` in flight at once.
@@ -195,7 +212,7 @@ pub struct Args {
     /// Random schedules in the verification benchmark's campaign.
     #[arg(long, default_value_t = 1000)]
     campaign_runs: usize,
-    /// Benchmark groups to run: runtime, sagas, verify, durable, snapshot [default: all].
+    /// Benchmark groups to run: runtime, sagas, cli, memory, verify, durable, snapshot [default: all].
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Print JSON instead of a table.
@@ -215,24 +232,37 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
         results.extend(per_call(args.calls, cache.as_deref()).await?);
     }
     if wants("sagas") {
+        let native = Arc::new(Runtime::load(RuntimeOptions { native_tools: true, ..plugin_args.options() }).await?);
         for (name, expect) in [("ct1-payment-failure", Status::Failed), ("travel", Status::Completed)] {
             let (saga, state, input) = shipped_saga(&runtime, &args.sagas_dir, name)?;
             let saga = Arc::new(saga);
-            for concurrency in [1, 64] {
-                let t = saga_throughput(
-                    runtime.clone(),
-                    saga.clone(),
-                    state.clone(),
-                    input.clone(),
-                    args.sagas,
-                    concurrency,
-                    expect,
-                )
-                .await?;
-                results.push(t.latency.clone());
-                rates.push((format!("sagas/s: {}", t.name), t.per_second));
+            for (mode, rt) in [("sandboxed", &runtime), ("native", &native)] {
+                for concurrency in [1, 2, 64] {
+                    let t = saga_throughput(
+                        rt.clone(),
+                        saga.clone(),
+                        state.clone(),
+                        input.clone(),
+                        args.sagas,
+                        concurrency,
+                        expect,
+                    )
+                    .await?;
+                    rates.push((format!("sagas/s, {mode}: {}", t.name), t.per_second));
+                    if concurrency == 1 {
+                        let mut latency = t.latency;
+                        latency.name = format!("{mode}: {}", latency.name);
+                        results.push(latency);
+                    }
+                }
             }
         }
+    }
+    if wants("cli") {
+        results.extend(cli_startup(&args.sagas_dir)?);
+    }
+    if wants("memory") {
+        results.extend(memory(runtime.clone(), &args.sagas_dir).await?);
     }
     if wants("verify") {
         let (saga, state, input) = shipped_saga(&runtime, &args.sagas_dir, "ct1-payment-failure")?;
@@ -307,6 +337,98 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
         println!("{table}");
     }
     Ok(super::Outcome::Success)
+}
+
+/// `sagabox run sagas/ct1-payment-failure.json` as a whole process, with a warm compile cache
+/// and with a cold one.
+fn cli_startup(sagas: &Path) -> anyhow::Result<Vec<Measurement>> {
+    let exe = std::env::current_exe()?;
+    let saga = sagas.join("ct1-payment-failure.json");
+    let cache = tempfile_dir()?;
+    let run = |cache: &Path| -> anyhow::Result<Duration> {
+        let started = Instant::now();
+        let out = std::process::Command::new(&exe)
+            .arg("run")
+            .arg(&saga)
+            .env("SAGABOX_CACHE_DIR", cache)
+            .stdout(std::process::Stdio::null())
+            .output()?;
+        if out.status.code() != Some(1) {
+            anyhow::bail!("ct1 should fail (exit 1): {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(started.elapsed())
+    };
+    let mut cold = Vec::new();
+    let mut warm = Vec::new();
+    for _ in 0..5 {
+        let _ = std::fs::remove_dir_all(&cache);
+        cold.push(run(&cache)?);
+    }
+    for _ in 0..20 {
+        warm.push(run(&cache)?);
+    }
+    std::fs::remove_dir_all(&cache)?;
+    Ok(vec![
+        Measurement::from_samples("CLI `run ct1-payment-failure`, whole process, cold compile cache", cold),
+        Measurement::from_samples("CLI `run ct1-payment-failure`, whole process, warm compile cache", warm),
+    ])
+}
+
+/// This process's peak resident set size, in bytes (Linux).
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_string))
+        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Peak RSS with 1,000 CT1 sagas in flight at once, each holding a sandbox open: every saga
+/// first runs a step that blocks for a second, so all 1,000 instances are alive together.
+async fn memory(runtime: Arc<Runtime>, sagas: &Path) -> anyhow::Result<Vec<Measurement>> {
+    let (ct1, state, input) = shipped_saga(&runtime, sagas, "ct1-payment-failure")?;
+    let mut definition: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ct1.path)?)?;
+    let wait = json!({
+        "id": "wait", "action": { "name": "hostile.sleep", "arguments": { "seconds": 1 } },
+        "limits": { "deadline_ms": 10000 }
+    });
+    if let Some(steps) = definition.pointer_mut("/saga/steps").and_then(|s| s.as_array_mut()) {
+        steps.insert(0, wait);
+    }
+    let dir = tempfile_dir()?;
+    let path = dir.join("ct1-wait.json");
+    std::fs::write(&path, definition.to_string())?;
+    let saga = Arc::new(Saga::load(&path, &runtime)?);
+    let before = peak_rss();
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..1000 {
+        let (runtime, saga, state, input) = (runtime.clone(), saga.clone(), state.clone(), input.clone());
+        tasks.push(tokio::spawn(async move {
+            let backend = MemoryBackend::new(state);
+            saga::run(&runtime, &saga, &backend, RunOptions::new(format!("m{i}"), input)).await.status
+        }));
+    }
+    for task in tasks {
+        let status = task.await?;
+        if status != Status::Failed {
+            anyhow::bail!("a memory-benchmark saga ended {status:?}");
+        }
+    }
+    let elapsed = started.elapsed();
+    let after = peak_rss();
+    std::fs::remove_dir_all(&dir)?;
+    let mb = |b: u64| b as f64 / (1 << 20) as f64;
+    Ok(vec![Measurement {
+        name: format!(
+            "1,000 concurrent CT1 sagas with a live sandbox each: peak RSS {:.0} MiB (was {:.0} MiB before), done in",
+            mb(after),
+            mb(before)
+        ),
+        median_us: elapsed.as_secs_f64() * 1e6,
+        p90_us: elapsed.as_secs_f64() * 1e6,
+        samples: 1,
+    }])
 }
 
 /// Generator units for a store of about `mb` MB.

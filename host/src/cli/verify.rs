@@ -115,29 +115,22 @@ fn print_summary(report: &CampaignReport, timing: &Timing) {
         "compensation coverage",
         "compensation efficiency",
     ]);
-    let percent = |x: f64| format!("{:.1}%", x * 100.0);
-    for saga in &report.sagas {
-        let m = &saga.metrics;
-        table.add_row([
-            saga.saga.clone(),
+    let row = |name: &str, m: &verify::Metrics| {
+        let percent = |x: f64| format!("{:.1}%", x * 100.0);
+        [
+            name.to_string(),
             m.cases.to_string(),
             m.passed.to_string(),
             m.failed.to_string(),
             percent(m.rollback_success_rate),
             percent(m.compensation_coverage),
             percent(m.compensation_efficiency),
-        ]);
+        ]
+    };
+    for saga in &report.sagas {
+        table.add_row(row(&saga.saga, &saga.metrics));
     }
-    let t = &report.totals;
-    table.add_row([
-        "all".to_string(),
-        t.cases.to_string(),
-        t.passed.to_string(),
-        t.failed.to_string(),
-        percent(t.rollback_success_rate),
-        percent(t.compensation_coverage),
-        percent(t.compensation_efficiency),
-    ]);
+    table.add_row(row("all", &report.totals));
     println!("{table}");
     let l = &timing.rollback_latency_us;
     println!(

@@ -9,6 +9,7 @@
 
 mod engine;
 pub mod error;
+mod native;
 mod plugin;
 pub mod policy;
 mod sandbox;
@@ -57,6 +58,9 @@ pub struct RuntimeOptions {
     pub engine: EngineOptions,
     /// Limits of every call, before plugin policies and per-call overrides.
     pub defaults: Limits,
+    /// For benchmarks: call the bundled tools' logic natively, outside the sandbox (the
+    /// plugins are still loaded, for their manifests). Not for untrusted code.
+    pub native_tools: bool,
 }
 
 impl Default for RuntimeOptions {
@@ -67,6 +71,7 @@ impl Default for RuntimeOptions {
             cache_dir: CompileCache::default_dir(),
             engine: EngineOptions::default(),
             defaults: Limits::default(),
+            native_tools: false,
         }
     }
 }
@@ -124,6 +129,7 @@ pub struct Runtime {
     engines: Engines,
     cache: CompileCache,
     defaults: Limits,
+    native_tools: bool,
     plugins: BTreeMap<String, Arc<Plugin>>,
 }
 
@@ -135,6 +141,7 @@ impl Runtime {
             engines: Engines::new(options.engine),
             cache: CompileCache::new(options.cache_dir.clone()),
             defaults: options.defaults.clone(),
+            native_tools: options.native_tools,
             plugins: BTreeMap::new(),
         };
         let mut sources = Vec::new();
@@ -337,6 +344,9 @@ impl Runtime {
                 tool: qualified.to_string(),
                 message: format!("arguments do not match the tool's schema: {errors}"),
             });
+        }
+        if self.native_tools {
+            return native::call(plugin, &tool.info.name, args, &options.context, limits, txn);
         }
         let pre = self.prepared(plugin, limits.stack_kib).map_err(host_error)?;
         let working = std::mem::replace(txn, Txn::new(State::default(), limits.write_quota()));

@@ -1,0 +1,101 @@
+//! The bundled tools' logic called natively, outside any sandbox: the baseline the
+//! benchmarks measure the sandbox against. Same arguments, same store transaction, same
+//! namespace grants; no instance, no fuel, no deadline.
+
+use sagabox_toolkit::{Context, Store, ToolError};
+use serde_json::Value;
+
+use super::error::CallError;
+use super::policy::{Limits, StoreGrants};
+use super::{CallContext, Plugin};
+use crate::store::{Txn, TxnError};
+
+/// The toolkit's store trait over a call's transaction, with the plugin's grants.
+struct NativeStore<'a> {
+    txn: &'a mut Txn,
+    grants: &'a StoreGrants,
+    denied: Option<String>,
+}
+
+impl NativeStore<'_> {
+    fn deny(&mut self, what: String) -> ToolError {
+        self.denied.get_or_insert(what.clone());
+        ToolError::Transient(what)
+    }
+}
+
+fn store_error(e: TxnError) -> ToolError {
+    match e {
+        TxnError::InvalidDocument { .. } => ToolError::InvalidInput(e.to_string()),
+        TxnError::QuotaExceeded(_) => ToolError::Rejected(e.to_string()),
+    }
+}
+
+impl Store for NativeStore<'_> {
+    fn get(&mut self, ns: &str, key: &str) -> Result<Option<String>, ToolError> {
+        if !self.grants.can_read(ns) {
+            return Err(self.deny(format!("namespace '{ns}' is not granted for reading")));
+        }
+        Ok(self.txn.get(ns, key).map(|t| t.to_string()))
+    }
+
+    fn put(&mut self, ns: &str, key: &str, doc: &str) -> Result<(), ToolError> {
+        if !self.grants.can_write(ns) {
+            return Err(self.deny(format!("namespace '{ns}' is not granted for writing")));
+        }
+        self.txn.put(ns, key, doc).map_err(store_error)
+    }
+
+    fn delete(&mut self, ns: &str, key: &str) -> Result<bool, ToolError> {
+        if !self.grants.can_write(ns) {
+            return Err(self.deny(format!("namespace '{ns}' is not granted for writing")));
+        }
+        self.txn.delete(ns, key).map_err(store_error)
+    }
+
+    fn list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, ToolError> {
+        if !self.grants.can_read(ns) {
+            return Err(self.deny(format!("namespace '{ns}' is not granted for reading")));
+        }
+        Ok(self.txn.list(ns, prefix))
+    }
+}
+
+/// Runs `tool` of `plugin` natively on `txn`.
+pub(crate) fn call(
+    plugin: &Plugin,
+    tool: &str,
+    args: &Value,
+    context: &CallContext,
+    limits: &Limits,
+    txn: &mut Txn,
+) -> Result<Value, CallError> {
+    let qualified = format!("{}.{tool}", plugin.name);
+    let native = sagabox_toolkit::native_plugin(&plugin.name).ok_or_else(|| CallError::Host {
+        tool: qualified.clone(),
+        reason: "the plugin has no native build (only bundled tool plugins do)".into(),
+    })?;
+    let ctx = Context {
+        saga_id: context.saga_id.clone(),
+        step_id: context.step_id.clone(),
+        attempt: context.attempt,
+        idempotency_key: context.idempotency_key.clone(),
+    };
+    let mut store = NativeStore { txn, grants: &plugin.grants.store, denied: None };
+    let result = (native.call)(&mut store, tool, args, &ctx);
+    if let Some(what) = store.denied {
+        return Err(CallError::AccessDenied { tool: qualified, what });
+    }
+    match result {
+        Ok(output) => {
+            let size = serde_json::to_string(&output).map_or(0, |t| t.len());
+            if size > limits.output_bytes() {
+                return Err(CallError::OutputTooLarge { tool: qualified, bytes: size, limit: limits.output_bytes() });
+            }
+            Ok(output)
+        }
+        Err(ToolError::InvalidInput(message)) => Err(CallError::InvalidInput { tool: qualified, message }),
+        Err(ToolError::Rejected(message)) => Err(CallError::Rejected { tool: qualified, message }),
+        Err(ToolError::Transient(message)) => Err(CallError::Transient { tool: qualified, message }),
+    }
+}
