@@ -58,11 +58,14 @@ fn call(trip: &Trip, plugin: &str, tool: &str, args: &Value, key: &str) -> Resul
     call(&mut MapStore(&mut docs), tool, args, &ctx).map_err(|e| format!("{e:?}"))
 }
 
+/// A boxed action or undo future, as steno's `ActionFunc` takes them.
+type Boxed<T> = std::pin::Pin<Box<dyn Future<Output = T> + Send>>;
+
 fn forward(
     plugin: &'static str,
     tool: &'static str,
     input: &'static str,
-) -> impl Fn(ActionContext<Ct1>) -> std::pin::Pin<Box<dyn Future<Output = Result<Value, ActionError>> + Send>> {
+) -> impl Fn(ActionContext<Ct1>) -> Boxed<Result<Value, ActionError>> {
     move |cx: ActionContext<Ct1>| {
         Box::pin(async move {
             let trip = cx.user_data().clone();
@@ -81,7 +84,7 @@ fn undo(
     plugin: &'static str,
     tool: &'static str,
     node: &'static str,
-) -> impl Fn(ActionContext<Ct1>) -> std::pin::Pin<Box<dyn Future<Output = Result<(), anyhow::Error>> + Send>> {
+) -> impl Fn(ActionContext<Ct1>) -> Boxed<Result<(), anyhow::Error>> {
     move |cx: ActionContext<Ct1>| {
         Box::pin(async move {
             let trip = cx.user_data().clone();
