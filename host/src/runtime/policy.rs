@@ -34,6 +34,7 @@ pub const MAX_MEMORY_MIB: u64 = 1024;
 pub const MAX_STACK_KIB: u64 = 8 * 1024;
 pub const MAX_INSTANCES: u64 = 64;
 pub const MAX_TABLE_ELEMENTS: u64 = 1_000_000;
+pub const MAX_DEADLINE_MS: u64 = 24 * 3600 * 1000;
 
 /// Per-call limits, all set.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,6 +113,7 @@ impl Limits {
             ("stack_kib", self.stack_kib, MAX_STACK_KIB),
             ("instances", self.instances, MAX_INSTANCES),
             ("table_elements", self.table_elements, MAX_TABLE_ELEMENTS),
+            ("deadline_ms", self.deadline_ms, MAX_DEADLINE_MS),
         ];
         for (name, value, max) in bounded {
             if value > max {
