@@ -69,6 +69,10 @@ impl fmt::Debug for Tool {
 impl Tool {
     /// Every way `args` breaks the tool's schema, as `<path>: <message>` lines (at most 5).
     pub fn schema_errors(&self, args: &Value) -> Option<String> {
+        // The fast check allocates nothing; errors are collected only for invalid arguments.
+        if self.validator.is_valid(args) {
+            return None;
+        }
         let errors: Vec<String> = self
             .validator
             .iter_errors(args)
