@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
 use sagabox::durable::{RunRecord, SqliteBackend};
-use sagabox::runtime::Runtime;
 use sagabox::saga::journal::JsonLinesFile;
 use sagabox::saga::{self, Fault, FaultPlan, MemoryBackend, Phase, RunOptions, RunReport, Saga, Status};
 use sagabox::store::{State, fixture};
@@ -117,13 +116,9 @@ pub fn load_state(given: Option<&Path>, saga: &Saga) -> anyhow::Result<State> {
     }
 }
 
-pub async fn load_saga(path: &Path, runtime: &Runtime) -> anyhow::Result<Saga> {
-    Ok(Saga::load(path, runtime)?)
-}
-
 pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outcome> {
     let runtime = plugin_args.load().await?;
-    let saga = load_saga(&args.saga, &runtime).await?;
+    let saga = Saga::load(&args.saga, &runtime)?;
     let input = load_input(args.input.as_deref(), &saga)?;
     let state = load_state(args.state.as_deref(), &saga)?;
     let mut faults = FaultPlan::none();

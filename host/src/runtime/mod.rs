@@ -313,19 +313,25 @@ impl Runtime {
     /// transaction.
     pub async fn invoke(&self, qualified: &str, args: &Value, options: &CallOptions, base: State) -> Invocation {
         let started = Instant::now();
-        let mut fuel_used = 0;
-        let limits = self.resolve(qualified).map(|(p, _)| self.limits_for(p, &options.limits));
-        let quota = limits.as_ref().map(Limits::write_quota).unwrap_or_default();
-        let mut txn = Txn::new(base, quota);
-        let result = match limits {
-            Err(e) => Err(e),
-            Ok(limits) => self.run(qualified, args, options, &limits, &mut txn, &mut fuel_used).await,
+        let (plugin, tool) = match self.resolve(qualified) {
+            Ok(found) => found,
+            Err(e) => {
+                let txn = Txn::new(base, Default::default());
+                return Invocation { result: Err(e), txn, fuel_used: 0, elapsed: started.elapsed() };
+            }
         };
+        let limits = self.limits_for(plugin, &options.limits);
+        let mut txn = Txn::new(base, limits.write_quota());
+        let mut fuel_used = 0;
+        let result = self.run(plugin, tool, qualified, args, options, &limits, &mut txn, &mut fuel_used).await;
         Invocation { result, txn, fuel_used, elapsed: started.elapsed() }
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn run(
         &self,
+        plugin: &Plugin,
+        tool: &Tool,
         qualified: &str,
         args: &Value,
         options: &CallOptions,
@@ -333,7 +339,6 @@ impl Runtime {
         txn: &mut Txn,
         fuel_used: &mut u64,
     ) -> Result<Value, CallError> {
-        let (plugin, tool) = self.resolve(qualified)?;
         let host_error = |reason: String| CallError::Host { tool: qualified.to_string(), reason };
         limits.check().map_err(|reason| CallError::InvalidInput {
             tool: qualified.to_string(),
