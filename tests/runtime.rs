@@ -335,3 +335,12 @@ async fn the_readme_example_plugin_loads_and_undoes_its_effect() {
     assert_eq!(removed.result.unwrap()["removed"], true);
     assert_eq!(store.snapshot().digest(), initial);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plugin_that_writes_a_lot_to_stderr_still_succeeds() {
+    // stderr is kept only for trap messages: what does not fit is dropped, never an error.
+    let runtime = runtime().await;
+    let store = MemoryStore::new(travel_state());
+    let outcome = runtime.call("hostile.chatter", &json!({ "bytes": 256 << 10 }), &context("k"), &store).await;
+    assert_eq!(outcome.result.unwrap(), json!({ "wrote": 262144 }));
+}

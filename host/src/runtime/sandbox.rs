@@ -9,7 +9,6 @@ use std::sync::Arc;
 
 use wasmtime::component::{Linker, ResourceTable};
 use wasmtime::{Engine, ResourceLimiter, StoreContextMut};
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use super::bindings::sagabox::plugin::log::Level;
@@ -26,6 +25,88 @@ const STDERR_CAPTURE: usize = 4096;
 
 /// Bytes of log messages one call may record.
 const LOG_BUDGET: usize = 16 * 1024;
+
+/// A guest's stderr: the first bytes are kept for trap messages (a Rust panic message goes
+/// there), the rest dropped. Writes never fail, so a chatty plugin works like a quiet one
+/// (wasmtime's `MemoryOutputPipe` traps the guest once its capacity is reached).
+#[derive(Clone, Default)]
+pub(crate) struct StderrHead {
+    kept: Arc<std::sync::Mutex<Vec<u8>>>,
+}
+
+impl StderrHead {
+    fn keep(&self, bytes: &[u8]) {
+        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        let room = STDERR_CAPTURE.saturating_sub(kept.len());
+        kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+
+    pub fn contents(&self) -> Vec<u8> {
+        self.kept.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+impl wasmtime_wasi::cli::IsTerminal for StderrHead {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl wasmtime_wasi::cli::StdoutStream for StderrHead {
+    fn p2_stream(&self) -> Box<dyn wasmtime_wasi::p2::OutputStream> {
+        Box::new(self.clone())
+    }
+
+    fn async_stream(&self) -> Box<dyn tokio::io::AsyncWrite + Send + Sync> {
+        Box::new(self.clone())
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl wasmtime_wasi::p2::Pollable for StderrHead {
+    async fn ready(&mut self) {}
+}
+
+#[wasmtime_wasi::async_trait]
+impl wasmtime_wasi::p2::OutputStream for StderrHead {
+    fn write(&mut self, bytes: bytes::Bytes) -> wasmtime_wasi::p2::StreamResult<()> {
+        self.keep(&bytes);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> wasmtime_wasi::p2::StreamResult<()> {
+        Ok(())
+    }
+
+    fn check_write(&mut self) -> wasmtime_wasi::p2::StreamResult<usize> {
+        Ok(64 << 10)
+    }
+}
+
+impl tokio::io::AsyncWrite for StderrHead {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.keep(buf);
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
 
 /// A failure the verification harness injects into a real call, at the call's first store
 /// write (or, for a call that writes nothing, when it returns).
@@ -133,7 +214,7 @@ pub(crate) struct CallState {
     /// A fault to inject at the first store write.
     pub armed: Option<InjectedFault>,
     pub abort: Option<Abort>,
-    pub stderr: MemoryOutputPipe,
+    pub stderr: StderrHead,
     log_budget: usize,
 }
 
@@ -190,7 +271,7 @@ impl CallState {
         txn: Txn,
         seed: Option<u64>,
     ) -> Result<CallState, String> {
-        let stderr = MemoryOutputPipe::new(STDERR_CAPTURE);
+        let stderr = StderrHead::default();
         let mut wasi = WasiCtxBuilder::new();
         wasi.stderr(stderr.clone())
             .allow_tcp(grants.network)

@@ -16,6 +16,11 @@ impl Plugin for Hostile {
     fn manifest() -> Vec<ToolSpec> {
         vec![
             tool("echo", "Returns its arguments; a well-behaved call.", json!({})),
+            tool(
+                "chatter",
+                "Writes a lot to stderr, then succeeds.",
+                json!({ "bytes": { "type": "integer", "minimum": 0 } }),
+            ),
             tool("spin", "Loops forever.", json!({})),
             tool("grow", "Allocates memory without bound.", json!({})),
             tool("recurse", "Recurses without bound.", json!({})),
@@ -39,11 +44,18 @@ impl Plugin for Hostile {
 
     fn call(store: &mut dyn Store, tool: &str, args: &Value, _ctx: &Context) -> Result<Value, ToolError> {
         let a = Args(args);
-        if tool != "echo" {
+        if tool != "echo" && tool != "chatter" {
             store.put_doc("scratch", tool, &json!({ "started": true }))?;
         }
         match tool {
             "echo" => Ok(args.clone()),
+            "chatter" => {
+                let bytes = args.get("bytes").and_then(Value::as_u64).unwrap_or(64 << 10);
+                for _ in 0..bytes / 64 {
+                    eprintln!("{}", "x".repeat(63));
+                }
+                Ok(json!({ "wrote": bytes }))
+            }
             "spin" => {
                 let mut n: u64 = 0;
                 loop {
