@@ -170,8 +170,31 @@ impl SqliteBackend {
         if *seen == version {
             return Ok(());
         }
-        let state = self.read_state(conn)?;
-        *self.state.write().unwrap_or_else(|p| p.into_inner()) = state;
+        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        // Only the documents written since our last commit, commit by commit (deleted ones
+        // keep their row with a NULL body), applied as the writing commit applied them.
+        let mut stmt = conn
+            .prepare_cached("SELECT ns, key, body, version FROM docs WHERE version > ?1 ORDER BY version")
+            .map_err(|e| self.error(e))?;
+        let rows = stmt
+            .query_map(params![state.version() as i64], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, Option<String>>(2)?,
+                    r.get::<_, i64>(3)?,
+                ))
+            })
+            .map_err(|e| self.error(e))?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.error(e))?;
+        for commit in rows.chunk_by(|a, b| a.3 == b.3) {
+            let writes: Vec<(&str, &str, Option<std::sync::Arc<str>>)> = commit
+                .iter()
+                .map(|(ns, key, body, _)| (ns.as_str(), key.as_str(), body.as_deref().map(Into::into)))
+                .collect();
+            state.apply(commit[0].3 as u64, writes.iter().map(|(ns, key, body)| (*ns, *key, body.as_ref())));
+        }
         *seen = version;
         Ok(())
     }
@@ -455,5 +478,19 @@ mod tests {
         assert!(matches!(b.commit(&from_b, None, &[]), Err(CommitError::Conflict(_))));
         // b catches up and sees a's write.
         assert_eq!(&*b.snapshot().get("pools", "p").unwrap().text, r#"{"allocated":1}"#);
+        // Deletes and new keys reach it too, and both end at the state the database holds.
+        let mut more = Txn::new(a.snapshot(), WriteQuota::default());
+        more.delete("users", "u").unwrap();
+        more.put("orders", "o1", "{}").unwrap();
+        a.commit(&more, None, &[]).unwrap();
+        let seen = b.snapshot();
+        assert!(seen.namespace("users").is_none());
+        assert!(seen.get("orders", "o1").is_some());
+        assert_eq!(seen.digest(), a.current_state().unwrap().digest());
+        // b's next commit is validated against the caught-up state: no false conflict.
+        let mut after = Txn::new(b.snapshot(), WriteQuota::default());
+        after.get("orders", "o1");
+        after.put("orders", "o2", "{}").unwrap();
+        b.commit(&after, None, &[]).unwrap();
     }
 }
