@@ -268,3 +268,37 @@ async fn many_sagas_in_one_process_share_one_database() {
         assert!(events.iter().enumerate().all(|(n, e)| e.seq == n as u64));
     }
 }
+
+#[test]
+fn resume_reports_a_run_it_cannot_rebuild_and_still_finishes_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let db_path = dir.path().join("two.db");
+    let db = SqliteBackend::open(&db_path, Durability::Normal).unwrap();
+    db.seed(&sagabox::store::fixture::load(&dir.path().join("completing.fixture.json")).unwrap()).unwrap();
+    let record = |run_id: &str, definition: String| sagabox::durable::RunRecord {
+        run_id: run_id.into(),
+        saga: "s".into(),
+        saga_path: "s.json".into(),
+        definition,
+        input: json!({}),
+        seed: 1,
+        status: "running".into(),
+        pid: u32::MAX, // no such process
+        started_ms: 0,
+        finished_ms: None,
+    };
+    let gone = json!({ "saga": { "steps": [{ "id": "a", "action": { "name": "removed_plugin.tool" } }] } });
+    db.register_run(&record("broken", gone.to_string())).unwrap();
+    db.register_run(&record("fine", std::fs::read_to_string(dir.path().join("completing.json")).unwrap())).unwrap();
+    drop(db);
+
+    let out = sagabox(dir.path()).args(["resume", "--db", db_path.to_str().unwrap()]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("cannot resume run broken") && stderr.contains("removed_plugin.tool"), "{stderr}");
+    let runs = SqliteBackend::open(&db_path, Durability::Normal).unwrap().runs().unwrap();
+    let status = |id: &str| runs.iter().find(|r| r.run_id == id).unwrap().status.clone();
+    assert_eq!(status("fine"), "completed");
+    assert_eq!(status("broken"), "running");
+}

@@ -2,7 +2,6 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::Context as _;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use sagabox::durable::{Durability, SqliteBackend};
 use sagabox::saga::{self, RunOptions, Saga, Status};
@@ -75,8 +74,15 @@ pub struct StateArgs {
 fn alive(pid: u32) -> bool {
     #[cfg(unix)]
     {
+        // 0 and negative pids name process groups or every process for kill(2): never a run's.
+        let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+        if pid <= 0 || pid as u32 == std::process::id() {
+            return false;
+        }
         // SAFETY: signal 0 only checks that the process exists.
-        pid != std::process::id() && unsafe { libc::kill(pid as libc::pid_t, 0) } == 0
+        let found = unsafe { libc::kill(pid, 0) } == 0;
+        // EPERM: it exists, under another user.
+        found || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
     }
     #[cfg(not(unix))]
     {
@@ -103,13 +109,22 @@ pub async fn resume(plugin_args: &PluginArgs, args: ResumeArgs) -> anyhow::Resul
         );
     }
     let mut all_completed = true;
+    let mut cannot = Vec::new();
     for record in runs {
         if alive(record.pid) && !args.force {
             eprintln!("skipping run {}: its process {} is still alive (use --force)", record.run_id, record.pid);
             continue;
         }
-        let saga = Saga::from_text(&record.definition, Path::new(&record.saga_path), &runtime)
-            .with_context(|| format!("cannot resume run {}", record.run_id))?;
+        // A run that cannot be rebuilt (its saga no longer validates against the loaded
+        // plugins) is reported; the others are still resumed.
+        let saga = match Saga::from_text(&record.definition, Path::new(&record.saga_path), &runtime) {
+            Ok(saga) => saga,
+            Err(e) => {
+                eprintln!("error: cannot resume run {}: {e}", record.run_id);
+                cannot.push(record.run_id);
+                continue;
+            }
+        };
         let mut options = RunOptions::new(record.run_id.clone(), record.input.clone());
         options.seed = record.seed;
         options.resume = db.events(&record.run_id)?;
@@ -121,6 +136,9 @@ pub async fn resume(plugin_args: &PluginArgs, args: ResumeArgs) -> anyhow::Resul
         } else {
             print_summary(&report);
         }
+    }
+    if !cannot.is_empty() {
+        anyhow::bail!("{} run(s) left unfinished: {}", cannot.len(), cannot.join(", "));
     }
     Ok(if all_completed { Outcome::Success } else { Outcome::Failure })
 }
