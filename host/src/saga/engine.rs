@@ -412,13 +412,18 @@ impl Run<'_> {
                 Event::new(EventKind::StepCompleted).step(&step.id, &step.tool).attempt(attempt, &key);
             match self.attempt(step, Phase::Action, attempt, &args, &key, fault, completed_event.clone()).await {
                 Attempt::Delivered { output } => {
+                    // Recorded before anything else is awaited: a saga time-out that drops
+                    // this future must still find the committed step to compensate.
+                    let completed = Completed { args: args.clone(), output: Some(output), key: key.clone() };
+                    {
+                        let mut progress = lock(&self.progress);
+                        progress.status.insert(index, StepStatus::Completed);
+                        progress.completed.push((index, completed));
+                    }
                     if fault == Some(Fault::Repeat) {
                         // A second delivery of the same call must not apply it again.
                         self.attempt(step, Phase::Action, attempt, &args, &key, None, completed_event).await;
                     }
-                    let mut progress = lock(&self.progress);
-                    progress.status.insert(index, StepStatus::Completed);
-                    progress.completed.push((index, Completed { args, output: Some(output), key }));
                     return Ok(());
                 }
                 Attempt::Lost => {
