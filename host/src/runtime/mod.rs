@@ -43,8 +43,8 @@ pub(crate) mod bindings {
     });
 }
 
-/// How many times a call is run again when its commit conflicts with another.
-const MAX_COMMIT_ATTEMPTS: u32 = 16;
+/// How many times a call runs when its commit keeps conflicting with other commits.
+pub const MAX_COMMIT_RUNS: u32 = 16;
 
 /// Where plugins come from and how they run.
 #[derive(Clone, Debug)]
@@ -424,7 +424,7 @@ impl Runtime {
                         runs,
                     };
                 }
-                Err(Conflict { namespace, key }) if runs >= MAX_COMMIT_ATTEMPTS => {
+                Err(Conflict { namespace, key }) if runs >= MAX_COMMIT_RUNS => {
                     return CallOutcome {
                         result: Err(CallError::Transient {
                             tool: qualified.into(),

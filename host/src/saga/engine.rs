@@ -23,11 +23,8 @@ use super::journal::{ErrorInfo, Event, EventKind, JournalSink};
 use super::plan::{PlannedStep, merge_args};
 use super::report::{CompensationFailure, NetChange, RunReport, Status, StepReport, StepStatus};
 use crate::ids::idempotency_key;
-use crate::runtime::{CallContext, CallError, CallOptions, FailureKind, InjectedFault, Runtime};
+use crate::runtime::{CallContext, CallError, CallOptions, FailureKind, InjectedFault, MAX_COMMIT_RUNS, Runtime};
 use crate::store::{Change, Txn};
-
-/// How many times a call runs again when its commit conflicts with another commit.
-const MAX_COMMIT_RUNS: u32 = 16;
 
 /// How to run a saga.
 #[derive(Clone)]
