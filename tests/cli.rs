@@ -152,37 +152,108 @@ fn help_is_available_on_every_command() {
     }
 }
 
-#[test]
-fn a_policy_can_grant_a_directory_and_environment_variables() {
+/// The operator's file of the tests: `granted` may see `GREETING` and read `data/` beside it.
+fn operator_file() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/operator/operator.toml")
+}
+
+/// A plugin directory with the hostile plugin as `name`, under `policy`.
+fn plugin_dir(name: &str, policy: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::copy(artifact("hostile"), dir.path().join("granted.wasm")).unwrap();
-    std::fs::create_dir(dir.path().join("data")).unwrap();
-    std::fs::write(dir.path().join("data/hello.txt"), "hello from the host").unwrap();
-    std::fs::write(
-        dir.path().join("granted.policy.toml"),
-        "[store]\nwrite = [\"scratch\"]\n[wasi]\nenv = [\"GREETING\"]\ndirs = [{ host = \"data\", guest = \"/data\" }]\n",
-    )
-    .unwrap();
-    let run = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_sagabox"))
-            .args(["--plugins", dir.path().to_str().unwrap()])
+    std::fs::copy(artifact("hostile"), dir.path().join(format!("{name}.wasm"))).unwrap();
+    std::fs::write(dir.path().join(format!("{name}.policy.toml")), policy).unwrap();
+    dir
+}
+
+#[test]
+fn only_the_operator_can_grant_a_plugin_a_directory_and_environment_variables() {
+    let data = std::fs::canonicalize(operator_file().with_file_name("data")).unwrap();
+    let policy = format!(
+        "[store]\nwrite = [\"scratch\"]\n[wasi]\nenv = [\"GREETING\", \"SECRET\"]\n\
+         dirs = [{{ host = \"{}\", guest = \"/data\" }}]\n",
+        data.display()
+    );
+    let dir = plugin_dir("granted", &policy);
+    let run = |operator: Option<(&str, &std::path::Path)>, args: &[&str]| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_sagabox"));
+        cmd.args(["--plugins", dir.path().to_str().unwrap()])
             .args(args)
             .env("SAGABOX_CACHE_DIR", shared_cache())
+            .env_remove("SAGABOX_OPERATOR")
             .env("GREETING", "hi")
-            .env("SECRET", "hunter2")
-            .output()
-            .unwrap()
+            .env("SECRET", "hunter2");
+        match operator {
+            Some(("flag", file)) => cmd.arg("--operator").arg(file),
+            Some((_, file)) => cmd.env("SAGABOX_OPERATOR", file),
+            None => &mut cmd,
+        };
+        cmd.output().unwrap()
     };
-    let out = run(&["call", "granted.read_file", "--args", r#"{"path": "/data/hello.txt"}"#]);
-    assert!(out.status.success(), "{}", stderr(&out));
-    assert!(stdout(&out).contains("hello from the host"));
-
-    let out = run(&["call", "granted.env"]);
+    let file = operator_file();
+    let read = ["call", "granted.read_file", "--args", r#"{"path": "/data/hello.txt"}"#];
+    for how in ["flag", "env"] {
+        let out = run(Some((how, &file)), &read);
+        assert!(out.status.success(), "{how}: {}", stderr(&out));
+        assert!(stdout(&out).contains("hello from the host"), "{how}");
+    }
+    let out = run(Some(("flag", &file)), &["call", "granted.env"]);
     let seen: Value = serde_json::from_str(&stdout(&out)).unwrap();
-    assert_eq!(seen["all"], serde_json::json!({ "GREETING": "hi" }), "only the granted variable is visible");
+    assert_eq!(seen["all"], serde_json::json!({ "GREETING": "hi" }), "only the variable the operator allows");
 
-    // The same plugin without the grants sees neither.
-    let out = run(&["call", "hostile.read_file", "--args", r#"{"path": "/data/hello.txt"}"#]);
+    // The plugin's own policy is not enough.
+    let out = run(None, &read);
     assert_eq!(out.status.code(), Some(1));
     assert!(stderr(&out).contains("access denied: filesystem access"), "{}", stderr(&out));
+    let out = run(None, &["call", "granted.env"]);
+    let seen: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(seen["all"], serde_json::json!({}));
+
+    let missing = dir.path().join("no-such-operator.toml");
+    let out = run(Some(("flag", &missing)), &["plugins"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("no-such-operator.toml"), "{}", stderr(&out));
+}
+
+#[test]
+fn plugins_shows_what_each_plugin_requested_what_it_was_granted_and_what_was_refused() {
+    let policy = "[store]\nwrite = [\"*\", \"scratch\"]\n[limits]\nfuel = 50_000_000_000\n\
+                  [wasi]\nenv = [\"PATH\"]\nnetwork = [\"example.com:443\"]\n\
+                  dirs = [{ host = \"../..\", guest = \"/up\" }]\n";
+    let dir = plugin_dir("greedy", policy);
+    let out = sagabox(&[
+        "plugins",
+        "--json",
+        "--plugins",
+        dir.path().to_str().unwrap(),
+        "--operator",
+        operator_file().to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plugins: Vec<Value> = serde_json::from_str(&stdout(&out)).unwrap();
+    let find = |name: &str| plugins.iter().find(|p| p["name"] == name).unwrap().clone();
+    let greedy = find("greedy");
+    assert_eq!(greedy["requested"]["store"]["write"], serde_json::json!(["*", "scratch"]));
+    assert_eq!(greedy["requested"]["wasi"]["network"], serde_json::json!(["example.com:443"]));
+    assert_eq!(greedy["granted"]["store"]["write"], serde_json::json!(["scratch"]));
+    assert_eq!(greedy["granted"]["wasi"], serde_json::json!({ "env": [], "dirs": [], "network": false }));
+    assert_eq!(greedy["limits"]["fuel"], 500_000_000, "the operator's fuel ceiling");
+    let refused: Vec<&str> = greedy["refused"].as_array().unwrap().iter().map(|r| r.as_str().unwrap()).collect();
+    for part in ["store.write \"*\"", "wasi.env \"PATH\"", "example.com:443", "limits.fuel"] {
+        assert!(refused.iter().any(|r| r.contains(part)), "{part} not in {refused:?}");
+    }
+    let up = refused.iter().find(|r| r.contains("wasi.dirs")).unwrap();
+    assert!(
+        up.contains("plugin 'greedy'") && up.contains("outside the directories the operator allows (none)"),
+        "{up}"
+    );
+    let airline = find("airline");
+    assert_eq!(airline["granted"]["store"], airline["requested"]["store"]);
+    assert_eq!(airline["refused"], serde_json::json!([]));
+
+    let table = sagabox(&["plugins", "--plugins", dir.path().to_str().unwrap()]);
+    let text = stdout(&table);
+    assert!(
+        text.contains("refused") && text.contains("write: *, scratch") && text.contains("wasi.env \"PATH\""),
+        "{text}"
+    );
 }

@@ -6,7 +6,9 @@ mod support;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use sagabox::runtime::{CallContext, CallError, CallOptions, CompileSource, LimitOverrides, Runtime, RuntimeOptions};
+use sagabox::runtime::{
+    CallContext, CallError, CallOptions, CompileSource, LimitOverrides, Operator, Runtime, RuntimeOptions,
+};
 use sagabox::store::MemoryStore;
 use serde_json::{Value, json};
 use support::*;
@@ -156,6 +158,140 @@ async fn bad_policies_and_name_clashes_are_rejected() {
     let options = RuntimeOptions { plugin_dirs: vec![dir.path().to_path_buf()], ..options() };
     let message = Runtime::load(options).await.err().expect("a clash").to_string();
     assert!(message.contains("two plugins are named 'airline'"), "{message}");
+}
+
+/// A policy asking for everything: the host's root, its environment, any network, every
+/// namespace, limits far above the defaults.
+const GREEDY_POLICY: &str = r#"
+[store]
+write = ["*", "scratch"]
+[limits]
+fuel = 50_000_000_000
+deadline_ms = 86_400_000
+output_kib = 1_000_000
+writes = 1_000_000_000
+[wasi]
+env = ["PATH", "HOME"]
+network = true
+dirs = [{ host = "/", guest = "/host", writable = true }, { host = "../..", guest = "/up" }]
+"#;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plugin_policy_alone_grants_no_host_access_and_no_more_than_the_default_limits() {
+    let dir = tempfile::tempdir().unwrap();
+    install(dir.path(), "hostile", "greedy");
+    std::fs::write(dir.path().join("greedy.policy.toml"), GREEDY_POLICY).unwrap();
+    let runtime = runtime_with(&[dir.path()]).await;
+    let store = MemoryStore::new(travel_state());
+    let call = |tool: &'static str, args: Value| {
+        let (runtime, store) = (&runtime, &store);
+        async move { runtime.call(&format!("greedy.{tool}"), &args, &context("k"), store).await.result }
+    };
+    for path in ["/host/etc/hostname", "/up/etc/hostname"] {
+        let read = call("read_file", json!({ "path": path })).await;
+        assert!(matches!(&read, Err(CallError::AccessDenied { what, .. }) if what.contains("filesystem")), "{read:?}");
+    }
+    assert_eq!(call("env", json!({})).await.unwrap()["all"], json!({}));
+    let connect = call("connect", json!({ "address": "127.0.0.1:9" })).await;
+    assert!(matches!(&connect, Err(CallError::AccessDenied { what, .. }) if what.contains("network")), "{connect:?}");
+    let trespass = call("trespass", json!({ "namespace": "flights" })).await;
+    assert!(
+        matches!(&trespass, Err(CallError::AccessDenied { what, .. }) if what.contains("'flights'")),
+        "{trespass:?}"
+    );
+    assert_eq!(runtime.plugin("greedy").unwrap().limits, sagabox::runtime::Limits::default());
+}
+
+/// The bundled plugins and those of `dir`, under the operator's `ceiling` (its directories
+/// relative to `dir`).
+async fn runtime_under(dir: &Path, ceiling: &str) -> Runtime {
+    let operator = Operator::parse(ceiling, dir).expect("a valid operator file");
+    Runtime::load(RuntimeOptions { plugin_dirs: vec![dir.to_path_buf()], operator, ..options() }).await.unwrap()
+}
+
+/// Whether `listener` has a connection waiting.
+fn was_reached(listener: &std::net::TcpListener) -> bool {
+    listener.set_nonblocking(true).unwrap();
+    listener.accept().is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn network_grants_are_host_port_allow_lists_enforced_at_lookup_and_connect() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (port, other_port) = (listener.local_addr().unwrap().port(), other.local_addr().unwrap().port());
+    let dir = tempfile::tempdir().unwrap();
+    for name in ["net", "netless"] {
+        install(dir.path(), "hostile", name);
+        let policy = format!("[store]\nwrite = [\"scratch\"]\n[wasi]\nnetwork = [\"localhost:{port}\"]\n");
+        std::fs::write(dir.path().join(format!("{name}.policy.toml")), policy).unwrap();
+    }
+    let runtime = runtime_under(dir.path(), &format!("[plugins.net.wasi]\nnetwork = [\"localhost:{port}\"]\n")).await;
+    let store = MemoryStore::new(travel_state());
+    let connect = |plugin: &'static str, address: String| {
+        let (runtime, store) = (&runtime, &store);
+        async move {
+            let args = json!({ "address": address });
+            runtime.call(&format!("{plugin}.connect"), &args, &context("k"), store).await.result
+        }
+    };
+
+    // Looked up by name, connected on the granted port; the listener saw it.
+    let ok = connect("net", format!("localhost:{port}")).await;
+    assert_eq!(ok.unwrap(), json!({ "connected": format!("localhost:{port}") }));
+    assert!(was_reached(&listener));
+    let ok = connect("net", format!("127.0.0.1:{port}")).await;
+    assert!(ok.is_ok(), "an address the granted name resolves to: {ok:?}");
+
+    let denied = |result: &Result<Value, CallError>, needle: &str| matches!(result, Err(CallError::AccessDenied { what, .. }) if what.contains(needle));
+    let e = connect("net", format!("localhost:{other_port}")).await;
+    assert!(denied(&e, &format!("127.0.0.1:{other_port} is not granted")), "{e:?}");
+    assert!(!was_reached(&other), "a port that is not granted was reached");
+    let e = connect("net", format!("example.invalid:{port}")).await;
+    assert!(denied(&e, "'example.invalid' is not granted"), "{e:?}");
+    // The same request without the operator's grant: no network at all.
+    let e = connect("netless", format!("localhost:{port}")).await;
+    assert!(denied(&e, "network access is not granted"), "{e:?}");
+    assert!(runtime.plugin("netless").unwrap().grant.refused.iter().any(|r| r.contains(&format!("localhost:{port}"))));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn directory_grants_are_canonical_and_confined_to_the_operators_roots() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("allowed");
+    std::fs::create_dir_all(root.join("shared")).unwrap();
+    std::fs::write(root.join("shared/note.txt"), "inside").unwrap();
+    std::fs::create_dir(dir.path().join("secret")).unwrap();
+    std::fs::write(dir.path().join("secret/key.txt"), "outside").unwrap();
+    std::os::unix::fs::symlink(dir.path().join("secret"), root.join("link")).unwrap();
+    install(dir.path(), "hostile", "reader");
+    std::fs::write(
+        dir.path().join("reader.policy.toml"),
+        "[store]\nwrite = [\"scratch\"]\n[wasi]\ndirs = [{ host = \"allowed/shared\", guest = \"/shared\" }, \
+         { host = \"allowed/../secret\", guest = \"/up\" }, { host = \"allowed/link\", guest = \"/link\" }, \
+         { host = \"/\", guest = \"/host\" }]\n",
+    )
+    .unwrap();
+    let runtime = runtime_under(dir.path(), "[plugins.reader.wasi]\ndirs = [{ host = \"allowed\" }]\n").await;
+    let store = MemoryStore::new(travel_state());
+    let read = |path: &'static str| {
+        let (runtime, store) = (&runtime, &store);
+        async move { runtime.call("reader.read_file", &json!({ "path": path }), &context("k"), store).await.result }
+    };
+    assert_eq!(read("/shared/note.txt").await.unwrap()["contents"], "inside");
+    for path in ["/up/key.txt", "/link/key.txt", "/host/etc/hostname"] {
+        let e = read(path).await;
+        assert!(matches!(&e, Err(CallError::Rejected { .. })), "{path} was readable: {e:?}");
+    }
+    let reader = runtime.plugin("reader").unwrap();
+    let canonical = std::fs::canonicalize(&root).unwrap();
+    assert_eq!(reader.grant.policy.wasi.dirs.len(), 1);
+    assert_eq!(reader.grant.policy.wasi.dirs[0].host, canonical.join("shared"));
+    for asked in ["allowed/../secret", "allowed/link", "\"/\""] {
+        let line = reader.grant.refused.iter().find(|r| r.contains(asked)).unwrap_or_else(|| panic!("{asked}"));
+        assert!(line.contains("plugin 'reader'"), "{line}");
+        assert!(line.contains(&format!("({})", canonical.display())), "the message names the allowed roots: {line}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]

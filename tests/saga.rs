@@ -585,3 +585,357 @@ async fn the_native_build_of_the_tools_behaves_exactly_like_the_sandboxed_one() 
         }
     }
 }
+
+// ---- Time-outs, parallel branches, scale, retries, compensation of DAGs, resume ----
+
+/// A saga of `n` one-unit allocations from pool `p` (of `capacity`), one after another.
+fn chain_of_allocations(n: usize) -> Value {
+    let steps: Vec<Value> = (0..n).map(|i| allocate(&format!("s{i}"), 1)).collect();
+    json!({ "steps": steps })
+}
+
+fn pool_of(capacity: u64) -> State {
+    State::from_json(&json!({ "pools": { "p": { "capacity": capacity, "allocated": 0 } } })).unwrap()
+}
+
+/// `at_us` of the first event of `kind` for `step`.
+fn event_at(report: &RunReport, kind: EventKind, step: &str) -> Option<u64> {
+    report.events.iter().find(|e| e.event == kind && e.step.as_deref() == Some(step)).map(|e| e.at_us)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_saga_time_out_stops_a_long_chain_and_no_step_runs_after_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut definition = chain_of_allocations(3000);
+    definition["timeout"] = json!("20ms");
+    let saga = temp_saga(dir.path(), "long", definition).await.unwrap();
+    let (report, state) = run_temp(&saga, &pool_of(1_000_000)).await;
+    assert_eq!(report.status, Status::TimedOut, "{:?}", report.error);
+    let completed = report.events.iter().filter(|e| e.event == EventKind::StepCompleted).count();
+    assert!(completed < 3000, "every step ran although the saga timed out");
+    // A step whose start was recorded after the deadline never ran: its call is refused.
+    for event in report.events.iter().filter(|e| e.event == EventKind::StepStarted && e.at_us > 20_000) {
+        let step = event.step.as_deref().unwrap();
+        assert_eq!(event_at(&report, EventKind::StepCompleted, step), None, "{step} ran after the deadline");
+    }
+    assert_eq!(report.compensated.len(), completed);
+    assert_eq!(state.digest(), pool_of(1_000_000).digest());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_saga_time_out_cuts_a_spinning_guest() {
+    let dir = tempfile::tempdir().unwrap();
+    let saga = temp_saga(
+        dir.path(),
+        "spin",
+        json!({
+            "steps": [
+                allocate("a", 10),
+                { "id": "spin", "action": { "name": "hostile.spin", "arguments": {} },
+                  "timeout": "20s", "limits": { "fuel": 1_000_000_000_000u64 } }
+            ],
+            "timeout": "300ms"
+        }),
+    )
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let (report, state) = run_temp(&saga, &pools()).await;
+    // Cut at the saga's 300 ms, not at the step's own 20 s.
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "the guest ran past the saga's deadline");
+    assert_eq!(report.status, Status::TimedOut, "{:?}", report.error);
+    assert_eq!(report.step("spin").unwrap().status, StepStatus::Cancelled);
+    assert_eq!(report.compensated, ["a"]);
+    assert_eq!(state.digest(), pools().digest());
+}
+
+#[tokio::test]
+async fn independent_branches_progress_while_one_spins() {
+    // One thread: the quick branch can only progress if the spinning guest lets it.
+    let dir = tempfile::tempdir().unwrap();
+    let step = |id: &str, deps: &[&str]| {
+        let mut s = allocate(id, 1);
+        s["depends_on"] = json!(deps);
+        s
+    };
+    let saga = temp_saga(
+        dir.path(),
+        "branches",
+        json!({
+            "steps": [
+                { "id": "spin", "action": { "name": "hostile.spin", "arguments": {} }, "depends_on": [],
+                  "timeout": "1s", "limits": { "fuel": 1_000_000_000_000u64 } },
+                step("b1", &[]), step("b2", &["b1"]), step("b3", &["b2"])
+            ]
+        }),
+    )
+    .await
+    .unwrap();
+    let backend = MemoryBackend::new(pools());
+    let mut options = RunOptions::new("branches", json!({}));
+    options.max_concurrency = 4;
+    let report = saga::run(shared_runtime().await, &saga, &backend, options).await;
+    assert_eq!(report.status, Status::Failed, "{:?}", report.error);
+    assert_eq!(report.failed_step.as_deref(), Some("spin"));
+    let b3_done = event_at(&report, EventKind::StepCompleted, "b3").expect("b3 completed");
+    let spin_failed = event_at(&report, EventKind::StepFailed, "spin").expect("spin failed");
+    assert!(b3_done < spin_failed, "the quick branch waited for the spinning one ({b3_done} >= {spin_failed} µs)");
+    assert_eq!(report.compensated, ["b3", "b2", "b1"]);
+    assert_eq!(backend.store.snapshot().digest(), pools().digest());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ten_thousand_steps_validate_run_and_roll_back() {
+    let dir = tempfile::tempdir().unwrap();
+    // The pool holds 9,999 units: the last step is refused and 9,999 are undone.
+    let saga = temp_saga(dir.path(), "huge", chain_of_allocations(10_000)).await.unwrap();
+    let backend = MemoryBackend::new(pool_of(9_999));
+    let mut options = RunOptions::new("huge", json!({}));
+    options.deterministic = true;
+    let report = saga::run(shared_runtime().await, &saga, &backend, options).await;
+    assert_eq!(report.status, Status::Failed, "{:?}", report.error);
+    assert_eq!(report.failed_step.as_deref(), Some("s9999"));
+    let expected: Vec<String> = (0..9_999).rev().map(|i| format!("s{i}")).collect();
+    assert_eq!(report.compensated, expected);
+    assert_eq!(backend.store.snapshot().digest(), pool_of(9_999).digest());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retry_jitter_differs_between_runs_of_one_saga() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut step = allocate("a", 1);
+    step["retry"] = json!({ "max_attempts": 4, "backoff": "10s", "jitter": 1.0 });
+    let saga = temp_saga(dir.path(), "jitter", json!({ "steps": [step] })).await.unwrap();
+    let delays = |run_id: &'static str| {
+        let saga = saga.clone();
+        async move {
+            let backend = MemoryBackend::new(pools());
+            let mut options = RunOptions::new(run_id, json!({}));
+            options.deterministic = true;
+            options.faults = FaultPlan::none().with("a", Phase::Action, Fault::Transient { failures: 3 });
+            let report = saga::run(shared_runtime().await, &saga, &backend, options).await;
+            assert_eq!(report.status, Status::Completed);
+            let delays: Vec<u64> = report
+                .events
+                .iter()
+                .filter(|e| e.event == EventKind::StepRetried)
+                .map(|e| e.data.as_ref().unwrap()["delay_ms"].as_u64().unwrap())
+                .collect();
+            assert_eq!(delays.len(), 3);
+            delays
+        }
+    };
+    assert_eq!(delays("run-a").await, delays("run-a").await, "the same run backs off the same way");
+    assert_ne!(delays("run-a").await, delays("run-b").await, "two runs backed off in lockstep");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_step_timeout_over_a_day_is_refused_when_validating() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut step = allocate("a", 1);
+    step["timeout"] = json!("25h");
+    let error = temp_saga(dir.path(), "day", json!({ "steps": [step] })).await.unwrap_err();
+    assert!(error.contains("step 'a'") && error.contains("timeout"), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_compensation_leaves_the_steps_it_depends_on_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    let step = |id: &str, amount: u64, deps: &[&str]| {
+        let mut s = allocate(id, amount);
+        s["depends_on"] = json!(deps);
+        s
+    };
+    // parent <- child; other is independent; last needs both and is refused.
+    let saga = temp_saga(
+        dir.path(),
+        "stuck",
+        json!({ "steps": [
+            step("parent", 5, &[]), step("child", 3, &["parent"]), step("other", 1, &[]),
+            step("last", 1, &["child", "other"])
+        ] }),
+    )
+    .await
+    .unwrap();
+    let backend = MemoryBackend::new(pools());
+    let mut options = RunOptions::new("stuck", json!({}));
+    options.deterministic = true;
+    options.faults = FaultPlan::none().with("last", Phase::Action, Fault::Rejected).with(
+        "child",
+        Phase::Compensation,
+        Fault::Permanent,
+    );
+    let report = saga::run(shared_runtime().await, &saga, &backend, options).await;
+    assert_eq!(report.status, Status::CompensationFailed);
+    assert_eq!(report.compensated, ["other"]);
+    assert_eq!(report.step("child").unwrap().status, StepStatus::CompensationFailed);
+    // Undoing the parent under a child that is still in place could break it: it stays.
+    assert_eq!(report.step("parent").unwrap().status, StepStatus::Completed);
+    assert_eq!(report.step("parent").unwrap().compensation_attempts, 0);
+    let pool = report.residue.iter().find(|c| c.namespace == "pools").expect("the pool is residue");
+    assert_eq!(pool.after.as_ref().unwrap()["allocated"], 8);
+}
+
+/// A backend that dies after `commits` commits: later commits and records fail, as if the
+/// process were gone. What it committed (state, result cache and journal) is what a
+/// resumed run finds.
+struct Dying<'a> {
+    inner: &'a MemoryBackend,
+    commits: std::sync::atomic::AtomicI64,
+    journal: std::sync::Mutex<Vec<sagabox::saga::journal::Event>>,
+}
+
+impl<'a> Dying<'a> {
+    fn new(inner: &'a MemoryBackend, commits: i64) -> Dying<'a> {
+        Dying { inner, commits: commits.into(), journal: Default::default() }
+    }
+
+    fn alive(&self) -> bool {
+        self.commits.load(std::sync::atomic::Ordering::SeqCst) > 0
+    }
+
+    fn journal(&self) -> Vec<sagabox::saga::journal::Event> {
+        self.journal.lock().unwrap().clone()
+    }
+}
+
+impl sagabox::saga::Backend for Dying<'_> {
+    fn snapshot(&self) -> State {
+        self.inner.snapshot()
+    }
+
+    fn commit(
+        &self,
+        txn: &sagabox::store::Txn,
+        result: Option<(&str, &Value)>,
+        events: &[sagabox::saga::journal::Event],
+    ) -> Result<Vec<sagabox::store::Change>, sagabox::saga::backend::CommitError> {
+        if self.commits.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) <= 0 {
+            return Err(sagabox::saga::backend::CommitError::Backend("the process is gone".into()));
+        }
+        let changes = self.inner.commit(txn, result, events)?;
+        self.journal.lock().unwrap().extend_from_slice(events);
+        Ok(changes)
+    }
+
+    fn record(&self, events: &[sagabox::saga::journal::Event]) -> Result<(), sagabox::saga::backend::CommitError> {
+        if !self.alive() {
+            return Err(sagabox::saga::backend::CommitError::Backend("the process is gone".into()));
+        }
+        self.journal.lock().unwrap().extend_from_slice(events);
+        Ok(())
+    }
+
+    fn cached(&self, key: &str) -> Option<Value> {
+        self.inner.cached(key)
+    }
+}
+
+/// Runs `options` on a backend that dies after `commits` commits, then resumes the run from
+/// what its journal kept (with `between` run on the store in the meantime).
+async fn die_and_resume(
+    saga: &Saga,
+    backend: &MemoryBackend,
+    options: RunOptions,
+    commits: i64,
+    between: impl AsyncFnOnce(),
+) -> RunReport {
+    let dying = Dying::new(backend, commits);
+    saga::run(shared_runtime().await, saga, &dying, options.clone()).await;
+    between().await;
+    let mut resumed = options;
+    resumed.resume = dying.journal();
+    saga::run(shared_runtime().await, saga, backend, resumed).await
+}
+
+/// The bundled plugins and `slow_pool` (the resources tools after sleeping `delay_ms`).
+async fn runtime_with_slow_pool(dir: &Path) -> Runtime {
+    let plugins = dir.join("plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    std::fs::copy(artifact("slow_pool"), plugins.join("slow_pool.wasm")).unwrap();
+    std::fs::write(
+        plugins.join("slow_pool.policy.toml"),
+        "[store]\nwrite = [\"pools\", \"allocations\", \"executions\"]\n[limits]\ndeadline_ms = 10000\n",
+    )
+    .unwrap();
+    runtime_with(&[&plugins]).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_lost_reply_is_compensated_after_a_resume_wherever_the_run_died() {
+    // `quick`'s reply is lost while `slow` still runs; `slow` completes after it, so it is
+    // compensated first. A run that dies after undoing `slow` must still undo `quick`.
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = runtime_with_slow_pool(dir.path()).await;
+    let path = dir.path().join("lost.json");
+    let saga = json!({ "saga": { "steps": [
+        { "id": "slow", "depends_on": [], "action": { "name": "slow_pool.allocate",
+          "arguments": { "pool_id": "p", "amount": 2, "delay_ms": 300 } } },
+        { "id": "quick", "depends_on": [], "action": { "name": "resources.allocate",
+          "arguments": { "pool_id": "p", "amount": 1 } } }
+    ] } });
+    std::fs::write(&path, saga.to_string()).unwrap();
+    let saga = Saga::load(&path, &runtime).unwrap();
+    let ours = |state: &State| state.digest_excluding(&["executions".to_string()]);
+    for k in 0..=4 {
+        let backend = MemoryBackend::new(pools());
+        let mut options = RunOptions::new("lost", json!({}));
+        options.max_concurrency = 2;
+        options.faults = FaultPlan::none().with("quick", Phase::Action, Fault::LostResponse);
+        let dying = Dying::new(&backend, k);
+        saga::run(&runtime, &saga, &dying, options.clone()).await;
+        options.resume = dying.journal();
+        let report = saga::run(&runtime, &saga, &backend, options).await;
+        assert_eq!(report.status, Status::Failed, "died after {k} commits: {:?}", report.error);
+        assert_eq!(ours(&backend.store.snapshot()), ours(&pools()), "died after {k} commits: {:?}", report.changes);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn residue_counts_every_life_of_a_run_and_none_of_another_runs_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let saga =
+        temp_saga(dir.path(), "residue", json!({ "steps": [allocate("a1", 5), allocate("a2", 3), allocate("a3", 1)] }))
+            .await
+            .unwrap();
+    let other = temp_saga(dir.path(), "other", json!({ "steps": [allocate("b", 2)] })).await.unwrap();
+    let backend = MemoryBackend::new(pools());
+    let mut options = RunOptions::new("residue", json!({}));
+    options.deterministic = true;
+    options.faults =
+        FaultPlan::none().with("a3", Phase::Action, Fault::Rejected).with("a2", Phase::Compensation, Fault::Permanent);
+    // Dies after a1; another run allocates 2 from the same pool; the run resumes.
+    let between = async || {
+        let report = saga::run(shared_runtime().await, &other, &backend, RunOptions::new("other", json!({}))).await;
+        assert_eq!(report.status, Status::Completed);
+    };
+    let report = die_and_resume(&saga, &backend, options, 1, between).await;
+    assert_eq!(report.status, Status::CompensationFailed, "{:?}", report.error);
+    let pool = report.residue.iter().find(|c| c.namespace == "pools").expect("the pool is residue");
+    // This run took 5 + 3 of the 10 allocated now; the other run's 2 are not its residue.
+    assert_eq!(pool.before.as_ref().unwrap()["allocated"], 2, "{pool:?}");
+    assert_eq!(pool.after.as_ref().unwrap()["allocated"], 10, "{pool:?}");
+    let allocations = report.residue.iter().filter(|c| c.namespace == "allocations").count();
+    assert_eq!(allocations, 2, "a1's and a2's allocations, not b's: {:?}", report.residue);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_resumed_run_suffers_the_faults_it_was_started_with() {
+    let dir = tempfile::tempdir().unwrap();
+    let saga =
+        temp_saga(dir.path(), "faulted", json!({ "steps": [allocate("a1", 5), allocate("a2", 3)] })).await.unwrap();
+    let backend = MemoryBackend::new(pools());
+    let mut options = RunOptions::new("faulted", json!({}));
+    options.deterministic = true;
+    options.faults = FaultPlan::none().with("a2", Phase::Action, Fault::Rejected);
+    let dying = Dying::new(&backend, 1);
+    saga::run(shared_runtime().await, &saga, &dying, options.clone()).await;
+    // A resume (as `sagabox resume` makes it) knows nothing of the faults but the journal.
+    let mut resumed = RunOptions::new("faulted", json!({}));
+    resumed.deterministic = true;
+    resumed.resume = dying.journal();
+    let report = saga::run(shared_runtime().await, &saga, &backend, resumed).await;
+    assert_eq!(report.status, Status::Failed, "{:?}", report.error);
+    assert_eq!(report.failed_step.as_deref(), Some("a2"));
+    assert_eq!(backend.store.snapshot().digest(), pools().digest());
+}

@@ -7,8 +7,9 @@ use std::sync::Arc;
 
 use sagabox::runtime::Runtime;
 use sagabox::saga::{Fault, Phase, Saga, Status};
+use sagabox::store::State;
 use sagabox::store::fixture;
-use sagabox::verify::{self, CampaignOptions, CampaignReport, FaultKind, Subject, Verdict};
+use sagabox::verify::{self, CampaignOptions, CampaignReport, Case, CaseHook, FaultKind, Mode, Subject, Verdict};
 use serde_json::Value;
 use support::*;
 use tokio::sync::OnceCell;
@@ -25,7 +26,8 @@ async fn subject(path: &Path) -> Subject {
         p.as_ref().map(|p| serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap())
     };
     Subject {
-        initial: fixture::load(saga.companions.fixture.as_ref().unwrap()).unwrap(),
+        // As the command line does: no fixture, an empty store.
+        initial: saga.companions.fixture.as_ref().map_or_else(State::default, |f| fixture::load(f).unwrap()),
         input: read(&saga.companions.input).unwrap_or_default(),
         expected: read(&saga.companions.expected),
         saga: Arc::new(saga),
@@ -39,6 +41,19 @@ async fn campaign(paths: &[&Path], seed: u64, runs: usize) -> CampaignReport {
     }
     let options = CampaignOptions { seed, runs, ..CampaignOptions::default() };
     verify::run_campaign(shared_runtime().await, &subjects, &options, &|_, _| {}).await.0
+}
+
+/// Saga inputs written for these tests.
+fn data_dir() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/verify")
+}
+
+fn sagabox(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        .args(args)
+        .env("SAGABOX_CACHE_DIR", shared_cache())
+        .output()
+        .unwrap()
 }
 
 fn shipped() -> Vec<std::path::PathBuf> {
@@ -97,7 +112,7 @@ async fn the_same_seed_gives_the_same_report_bytes_and_another_seed_other_schedu
             .sagas
             .iter()
             .flat_map(|s| &s.cases)
-            .filter(|c| c.id.starts_with("random-"))
+            .filter(|c| c.id.starts_with("random-") && c.mode == Mode::Deterministic)
             .map(|c| format!("{:?}", c.faults))
             .collect()
     };
@@ -212,4 +227,105 @@ async fn a_completed_run_must_reach_the_declared_expected_state() {
     assert_eq!(clean.verdict, Verdict::Fail);
     assert!(clean.reason.contains("expected state"), "{}", clean.reason);
     assert_eq!(clean.diff[0].key, "HAT001");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_case_that_panics_fails_the_campaign_and_names_the_case() {
+    let subject = subject(&sagas_dir().join("ct1-payment-failure.json")).await;
+    let hook = CaseHook(Arc::new(|case: &Case| {
+        if case.id == "hotel:trap" {
+            panic!("provoked in the test");
+        }
+    }));
+    let options = CampaignOptions { runs: 0, on_case: Some(hook), ..CampaignOptions::default() };
+    let (report, timing) = verify::run_campaign(shared_runtime().await, &[subject], &options, &|_, _| {}).await;
+    assert!(!report.passed(), "a campaign with a panicking case passed");
+    let saga = &report.sagas[0];
+    let problem = saga.problems.iter().find(|p| p.contains("'hotel:trap'")).unwrap_or_else(|| panic!("{saga:#?}"));
+    assert!(problem.contains("panicked") && problem.contains("provoked in the test"), "{problem}");
+    assert_eq!(saga.metrics.failed, 1, "the panicked case counts as a failed case");
+    assert_eq!(saga.metrics.cases, timing.cases);
+    // The other cases still ran and kept their verdicts.
+    assert!(saga.cases.iter().any(|c| c.id == "flight:trap" && c.verdict == Verdict::Pass));
+    assert!(!saga.cases.iter().any(|c| c.id == "hotel:trap"));
+}
+
+#[test]
+fn an_unknown_case_id_fails_naming_it_and_the_known_ones() {
+    let saga = sagas_dir().join("ct1-payment-failure.json");
+    let out = sagabox(&["verify", saga.to_str().unwrap(), "--case", "hotel:tarp"]);
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(2), "stdout: {stdout}\nstderr: {stderr}");
+    assert!(!stdout.contains("every case passed"), "{stdout}");
+    assert!(stderr.contains("'hotel:tarp'"), "{stderr}");
+    assert!(stderr.contains("hotel:trap") && stderr.contains("clean"), "the known cases are not listed: {stderr}");
+
+    // A known id still runs alone.
+    let out = sagabox(&["verify", saga.to_str().unwrap(), "--case", "hotel:trap"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_library_fails_a_campaign_whose_case_filter_matches_nothing() {
+    let subject = subject(&sagas_dir().join("ct1-payment-failure.json")).await;
+    let options = CampaignOptions { only_case: Some("no-such-case".into()), ..CampaignOptions::default() };
+    let (report, _) = verify::run_campaign(shared_runtime().await, &[subject], &options, &|_, _| {}).await;
+    assert!(!report.passed(), "zero cases run, and the campaign passed");
+    assert!(report.problems.iter().any(|p| p.contains("'no-such-case'")), "{:?}", report.problems);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_clean_run_rejected_for_want_of_a_fixture_fails_the_campaign_with_a_hint() {
+    let path = data_dir().join("no-fixture.json");
+    let report = campaign(&[&path], 0, 3).await;
+    assert!(!report.passed(), "a saga whose clean run is rejected at step 1 verified green");
+    let problems = &report.sagas[0].problems;
+    let problem = problems.first().unwrap_or_else(|| panic!("no problem reported: {report:#?}"));
+    assert!(problem.contains("the clean run did not complete: rejected at step 'flight'"), "{problem}");
+    assert!(problem.contains("no fixture") && problem.contains("no-fixture.fixture.json"), "{problem}");
+
+    let out = sagabox(&["verify", path.to_str().unwrap(), "--runs", "2"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("the clean run did not complete: rejected at step 'flight'"), "{stdout}");
+    assert!(!stdout.contains("every case passed"), "{stdout}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_clean_run_that_fails_before_any_rollback_fails_the_campaign_even_with_a_fixture() {
+    let report = campaign(&[&data_dir().join("first-step-rejected.json")], 0, 3).await;
+    assert!(!report.passed());
+    let problem = report.sagas[0].problems.first().unwrap_or_else(|| panic!("no problem reported: {report:#?}"));
+    assert!(problem.contains("the clean run did not complete: rejected at step 'flight'"), "{problem}");
+    assert!(!problem.contains("no fixture"), "{problem}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dag_campaigns_also_run_every_case_concurrently_with_identical_report_bytes() {
+    let dag = sagas_dir().join("trip-dag.json");
+    let report = campaign(&[&dag], 7, 6).await;
+    let json = serde_json::to_value(&report).unwrap();
+    let cases = json["sagas"][0]["cases"].as_array().unwrap();
+    let ids = |mode: &str| -> Vec<String> {
+        cases.iter().filter(|c| c["mode"] == mode).map(|c| c["id"].as_str().unwrap().to_string()).collect()
+    };
+    let (serial, concurrent) = (ids("deterministic"), ids("concurrent"));
+    assert!(!serial.is_empty() && serial.len() == concurrent.len(), "{serial:?} / {concurrent:?}");
+    for id in &serial {
+        assert!(concurrent.contains(&format!("{id}@concurrent")), "no concurrent twin of {id}");
+    }
+    for case in cases.iter().filter(|c| c["mode"] == "concurrent") {
+        assert_eq!(case["verdict"], "pass", "{case:#}");
+        // Only facts that do not depend on scheduling.
+        assert!(case.get("compensated").is_none() && case.get("failed_step").is_none(), "{case:#}");
+    }
+    assert!(report.passed());
+
+    let again = campaign(&[&dag], 7, 6).await;
+    let bytes = |r: &CampaignReport| serde_json::to_string_pretty(r).unwrap();
+    assert_eq!(bytes(&report), bytes(&again), "the same seed gave different reports");
+
+    // A chain has nothing to run at once: no concurrent twins.
+    let chain = campaign(&[&sagas_dir().join("ct1-payment-failure.json")], 7, 2).await;
+    assert!(chain.sagas[0].cases.iter().all(|c| !c.id.ends_with("@concurrent")));
 }

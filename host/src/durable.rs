@@ -9,14 +9,18 @@
 //! at the cost of an fsync per commit.
 //!
 //! Each process keeps the state in memory (an O(1)-snapshot [`State`]) and catches up with
-//! commits of other processes (`PRAGMA data_version`); a commit is validated against the
-//! database under its write lock, so concurrent processes never lose updates.
+//! commits of other processes (`PRAGMA data_version` says cheaply when); a commit is
+//! validated against the database under its write lock, and takes its version from the
+//! database's own counter, so concurrent processes never lose updates. Under that lock a
+//! commit also checks the result cache: of two deliveries of one call, the second writes
+//! nothing. Journal records are never overwritten, a run is taken over by one process at a
+//! time, and a new database is seeded once.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, RwLock};
 use std::time::Duration;
 
-use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -39,6 +43,15 @@ pub enum Durability {
 pub struct DbError {
     pub path: PathBuf,
     pub error: String,
+}
+
+/// Why a run could not be registered.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    #[error("run '{run_id}' already exists in {}", path.display())]
+    Exists { run_id: String, path: PathBuf },
+    #[error(transparent)]
+    Db(#[from] DbError),
 }
 
 /// A run as the registry records it.
@@ -83,9 +96,10 @@ CREATE TABLE IF NOT EXISTS events (
 pub struct SqliteBackend {
     path: PathBuf,
     conn: Mutex<Connection>,
-    /// The state as of the last commit this process saw.
+    /// The state as of the database's version `state.version()`.
     state: RwLock<State>,
-    /// `PRAGMA data_version` when `state` was last brought up to date.
+    /// `PRAGMA data_version` when `state` was last brought up to date: a cheap test of
+    /// whether another connection committed since.
     data_version: Mutex<i64>,
     /// Events with no state change, written with the next commit (or at a run's start and end).
     pending: Mutex<Vec<Event>>,
@@ -99,12 +113,81 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+fn is_constraint(e: &rusqlite::Error) -> bool {
+    e.sqlite_error_code() == Some(rusqlite::ErrorCode::ConstraintViolation)
+}
+
+/// The last commit's version, as the database counts them.
+fn db_version(conn: &Connection) -> rusqlite::Result<u64> {
+    conn.query_row("SELECT value FROM meta WHERE name = 'version'", [], |r| r.get::<_, i64>(0)).map(|v| v as u64)
+}
+
+/// Whether the database holds no state and no run, and was never seeded.
+fn is_new(conn: &Connection) -> rusqlite::Result<bool> {
+    let count = |sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0));
+    Ok(db_version(conn)? == 0 && count("SELECT COUNT(*) FROM docs")? == 0 && count("SELECT COUNT(*) FROM runs")? == 0)
+}
+
+/// Writes `state` as the starting state (version 1).
+fn write_seed(tx: &rusqlite::Transaction, state: &State) -> rusqlite::Result<()> {
+    let mut insert = tx.prepare("INSERT OR REPLACE INTO docs (ns, key, body, version) VALUES (?1, ?2, ?3, 1)")?;
+    for (ns, namespace) in state.namespaces() {
+        for (key, doc) in namespace.iter() {
+            insert.execute(params![ns, key, &*doc.text])?;
+        }
+        tx.execute("INSERT OR REPLACE INTO namespaces VALUES (?1, 1)", params![ns])?;
+    }
+    tx.execute("UPDATE meta SET value = 1 WHERE name = 'version'", [])?;
+    Ok(())
+}
+
+/// Why journal records were not written.
+enum EventsError {
+    /// A record of the caller's is already there.
+    Duplicate(CommitError),
+    Failed(CommitError),
+}
+
+impl EventsError {
+    fn into_commit_error(self) -> CommitError {
+        match self {
+            EventsError::Duplicate(e) | EventsError::Failed(e) => e,
+        }
+    }
+}
+
+/// A journal record that is already there: another process writes this run's journal.
+fn duplicate_event(event: &Event) -> String {
+    format!("run '{}': journal record seq {} already exists (another process writes this run)", event.run_id, event.seq)
+}
+
 impl SqliteBackend {
     /// Opens (or creates) the database at `path`.
     pub fn open(path: &Path, durability: Durability) -> Result<SqliteBackend, DbError> {
+        SqliteBackend::open_with(path, durability, true)
+    }
+
+    /// Opens the database at `path`, which must exist: commands that only read or finish
+    /// runs never create one.
+    pub fn open_existing(path: &Path, durability: Durability) -> Result<SqliteBackend, DbError> {
+        if !path.is_file() {
+            let error = "no such database (`sagabox run --db` creates one)".to_string();
+            return Err(DbError { path: path.to_path_buf(), error });
+        }
+        SqliteBackend::open_with(path, durability, false)
+    }
+
+    fn open_with(path: &Path, durability: Durability, create: bool) -> Result<SqliteBackend, DbError> {
         let fail = |e: rusqlite::Error| DbError { path: path.to_path_buf(), error: e.to_string() };
-        let conn = Connection::open(path).map_err(fail)?;
+        let mut flags = OpenFlags::default();
+        if !create {
+            flags.remove(OpenFlags::SQLITE_OPEN_CREATE);
+        }
+        let conn = Connection::open_with_flags(path, flags).map_err(fail)?;
         conn.busy_timeout(Duration::from_secs(30)).map_err(fail)?;
+        if !create && !has_schema(&conn).map_err(fail)? {
+            return Err(DbError { path: path.to_path_buf(), error: "not a sagabox database".into() });
+        }
         conn.pragma_update(None, "journal_mode", "WAL").map_err(fail)?;
         let sync = match durability {
             Durability::Normal => "NORMAL",
@@ -127,21 +210,26 @@ impl SqliteBackend {
         DbError { path: self.path.clone(), error: e.to_string() }
     }
 
+    fn commit_error(&self, e: impl std::fmt::Display) -> CommitError {
+        CommitError::Backend(self.error(e).to_string())
+    }
+
     /// Reads the whole state from the database.
     fn reload(&self) -> Result<(), DbError> {
         let conn = lock(&self.conn);
-        let state = self.read_state(&conn)?;
+        // Read before the state: a commit in between makes the next snapshot catch up.
         let version = data_version(&conn).map_err(|e| self.error(e))?;
+        let state = self.read_state(&conn)?;
         *self.state.write().unwrap_or_else(|p| p.into_inner()) = state;
         *lock(&self.data_version) = version;
         Ok(())
     }
 
+    /// The state as the database holds it, read in one transaction.
     fn read_state(&self, conn: &Connection) -> Result<State, DbError> {
-        let version: i64 = conn
-            .query_row("SELECT value FROM meta WHERE name = 'version'", [], |r| r.get(0))
-            .map_err(|e| self.error(e))?;
-        let mut stmt = conn
+        let tx = conn.unchecked_transaction().map_err(|e| self.error(e))?;
+        let version = db_version(&tx).map_err(|e| self.error(e))?;
+        let mut stmt = tx
             .prepare("SELECT ns, key, body, version FROM docs WHERE body IS NOT NULL ORDER BY ns, key")
             .map_err(|e| self.error(e))?;
         let rows = stmt
@@ -154,107 +242,135 @@ impl SqliteBackend {
             let (ns, key, body, v) = row.map_err(|e| self.error(e))?;
             docs.push((ns, key, body, v as u64));
         }
-        let mut keys = conn.prepare("SELECT ns, keys_version FROM namespaces").map_err(|e| self.error(e))?;
+        let mut keys = tx.prepare("SELECT ns, keys_version FROM namespaces").map_err(|e| self.error(e))?;
         let keys_versions = keys
             .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64)))
             .map_err(|e| self.error(e))?
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| self.error(e))?;
-        Ok(State::from_versioned(docs, keys_versions, version as u64))
+        Ok(State::from_versioned(docs, keys_versions, version))
     }
 
-    /// Brings the in-memory state up to date when another connection has committed.
-    fn catch_up(&self, conn: &Connection) -> Result<(), DbError> {
-        let version = data_version(conn).map_err(|e| self.error(e))?;
-        let mut seen = lock(&self.data_version);
-        if *seen == version {
+    /// Brings the in-memory state up to the database's when another connection committed.
+    fn refresh(&self) -> Result<(), DbError> {
+        let conn = lock(&self.conn);
+        if data_version(&conn).map_err(|e| self.error(e))? == *lock(&self.data_version) {
             return Ok(());
         }
-        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
-        // Only the documents written since our last commit, commit by commit (deleted ones
-        // keep their row with a NULL body), applied as the writing commit applied them.
-        let mut stmt = conn
-            .prepare_cached("SELECT ns, key, body, version FROM docs WHERE version > ?1 ORDER BY version")
-            .map_err(|e| self.error(e))?;
-        let rows = stmt
-            .query_map(params![state.version() as i64], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, Option<String>>(2)?,
-                    r.get::<_, i64>(3)?,
-                ))
-            })
-            .map_err(|e| self.error(e))?
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| self.error(e))?;
-        for commit in rows.chunk_by(|a, b| a.3 == b.3) {
-            let writes: Vec<(&str, &str, Option<std::sync::Arc<str>>)> = commit
-                .iter()
-                .map(|(ns, key, body, _)| (ns.as_str(), key.as_str(), body.as_deref().map(Into::into)))
-                .collect();
-            state.apply(commit[0].3 as u64, writes.iter().map(|(ns, key, body)| (*ns, *key, body.as_ref())));
-        }
-        *seen = version;
+        // One read transaction: the version and the rows it reads agree.
+        let tx = conn.unchecked_transaction().map_err(|e| self.error(e))?;
+        self.catch_up(&tx)?;
         Ok(())
+    }
+
+    /// Brings the in-memory state up to the database's version and returns that version.
+    /// Run it inside a transaction. Only the documents written since the version the state
+    /// holds are read (deleted ones keep their row with a NULL body), applied commit by
+    /// commit; then the state takes the database's own version, so a commit that wrote no
+    /// document can never make a later catch-up skip another process's commit.
+    fn catch_up(&self, conn: &Connection) -> Result<u64, DbError> {
+        // Read first: a commit after this read makes the next refresh catch up again.
+        let seen = data_version(conn).map_err(|e| self.error(e))?;
+        let version = db_version(conn).map_err(|e| self.error(e))?;
+        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        if state.version() != version {
+            let mut stmt = conn
+                .prepare_cached("SELECT ns, key, body, version FROM docs WHERE version > ?1 ORDER BY version")
+                .map_err(|e| self.error(e))?;
+            let rows = stmt
+                .query_map(params![state.version() as i64], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, Option<String>>(2)?,
+                        r.get::<_, i64>(3)?,
+                    ))
+                })
+                .map_err(|e| self.error(e))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| self.error(e))?;
+            for commit in rows.chunk_by(|a, b| a.3 == b.3) {
+                let writes: Vec<(&str, &str, Option<std::sync::Arc<str>>)> = commit
+                    .iter()
+                    .map(|(ns, key, body, _)| (ns.as_str(), key.as_str(), body.as_deref().map(Into::into)))
+                    .collect();
+                state.apply(commit[0].3 as u64, writes.iter().map(|(ns, key, body)| (*ns, *key, body.as_ref())));
+            }
+            state.apply(version, std::iter::empty());
+        }
+        *lock(&self.data_version) = seen;
+        Ok(version)
     }
 
     /// Whether the database holds no state and no run yet.
     pub fn is_new(&self) -> Result<bool, DbError> {
-        let conn = lock(&self.conn);
-        let count = |sql: &str| conn.query_row(sql, [], |r| r.get::<_, i64>(0)).map_err(|e| self.error(e));
-        Ok(count("SELECT COUNT(*) FROM docs")? == 0 && count("SELECT COUNT(*) FROM runs")? == 0)
+        is_new(&lock(&self.conn)).map_err(|e| self.error(e))
     }
 
-    /// Writes `state` as the database's starting state.
+    /// Writes `state` as the database's starting state, whatever it held.
     pub fn seed(&self, state: &State) -> Result<(), DbError> {
-        let mut conn = lock(&self.conn);
-        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.error(e))?;
         {
-            let mut insert = tx
-                .prepare("INSERT OR REPLACE INTO docs (ns, key, body, version) VALUES (?1, ?2, ?3, 1)")
-                .map_err(|e| self.error(e))?;
-            for (ns, namespace) in state.namespaces() {
-                for (key, doc) in namespace.iter() {
-                    insert.execute(params![ns, key, &*doc.text]).map_err(|e| self.error(e))?;
-                }
-                tx.execute("INSERT OR REPLACE INTO namespaces VALUES (?1, 1)", params![ns])
-                    .map_err(|e| self.error(e))?;
-            }
+            let mut conn = lock(&self.conn);
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.error(e))?;
+            write_seed(&tx, state).map_err(|e| self.error(e))?;
+            tx.commit().map_err(|e| self.error(e))?;
         }
-        tx.execute("UPDATE meta SET value = 1 WHERE name = 'version'", []).map_err(|e| self.error(e))?;
-        tx.commit().map_err(|e| self.error(e))?;
-        drop(conn);
         self.reload()
     }
 
-    /// Registers a run that is about to start.
-    pub fn register_run(&self, run: &RunRecord) -> Result<(), DbError> {
-        lock(&self.conn)
-            .execute(
-                "INSERT INTO runs (run_id, saga, saga_path, definition, input, seed, status, pid, started_ms)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'running', ?7, ?8)",
-                params![
-                    run.run_id,
-                    run.saga,
-                    run.saga_path,
-                    run.definition,
-                    run.input.to_string(),
-                    run.seed as i64,
-                    run.pid,
-                    now_ms() as i64
-                ],
-            )
-            .map_err(|e| self.error(e))?;
-        Ok(())
+    /// Seeds the database with `state` if it is new; returns whether it did. The check and
+    /// the seed are one transaction: two processes starting on a new database at once seed
+    /// it once, and never over a step the other committed.
+    pub fn seed_if_new(&self, state: &State) -> Result<bool, DbError> {
+        {
+            let mut conn = lock(&self.conn);
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.error(e))?;
+            if !is_new(&tx).map_err(|e| self.error(e))? {
+                return Ok(false);
+            }
+            write_seed(&tx, state).map_err(|e| self.error(e))?;
+            tx.commit().map_err(|e| self.error(e))?;
+        }
+        self.reload()?;
+        Ok(true)
     }
 
-    /// Marks a resumed run as run by this process.
-    pub fn adopt_run(&self, run_id: &str) -> Result<(), DbError> {
-        lock(&self.conn)
-            .execute("UPDATE runs SET pid = ?1 WHERE run_id = ?2", params![std::process::id(), run_id])
+    /// Registers a run that is about to start.
+    pub fn register_run(&self, run: &RunRecord) -> Result<(), RegisterError> {
+        let inserted = lock(&self.conn).execute(
+            "INSERT INTO runs (run_id, saga, saga_path, definition, input, seed, status, pid, started_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'running', ?7, ?8)",
+            params![
+                run.run_id,
+                run.saga,
+                run.saga_path,
+                run.definition,
+                run.input.to_string(),
+                run.seed as i64,
+                run.pid,
+                now_ms() as i64
+            ],
+        );
+        match inserted {
+            Ok(_) => Ok(()),
+            Err(e) if is_constraint(&e) => {
+                Err(RegisterError::Exists { run_id: run.run_id.clone(), path: self.path.clone() })
+            }
+            Err(e) => Err(self.error(e).into()),
+        }
+    }
+
+    /// Takes over an unfinished run from process `seen_pid`, the one the caller saw running
+    /// it: a compare-and-swap, so that of two processes resuming it at once only one gets
+    /// it. Returns whether this process got it.
+    pub fn adopt_run(&self, run_id: &str, seen_pid: u32) -> Result<bool, DbError> {
+        let changed = lock(&self.conn)
+            .execute(
+                "UPDATE runs SET pid = ?1 WHERE run_id = ?2 AND pid = ?3 AND status = 'running'",
+                params![std::process::id(), run_id, seen_pid],
+            )
             .map_err(|e| self.error(e))?;
-        Ok(())
+        Ok(changed == 1)
     }
 
     /// Every run, oldest first.
@@ -317,21 +433,37 @@ impl SqliteBackend {
         self.read_state(&conn)
     }
 
-    /// Writes `events` (and everything pending before them) in `tx`, and records run ends.
-    /// Returns how many pending events it wrote: drop them once `tx` commits.
-    fn write_events(&self, tx: &rusqlite::Transaction, events: &[Event]) -> rusqlite::Result<usize> {
+    /// Writes the pending events, then `events`, in `tx`, and records run ends. Returns how
+    /// many pending events it handled: drop them once `tx` commits. A record that is already
+    /// there is an error for `events`; a pending one (of a run whose journal another process
+    /// took over) is dropped with a warning, so it does not fail other runs' commits.
+    fn write_events(&self, tx: &rusqlite::Transaction, events: &[Event]) -> Result<usize, EventsError> {
+        let failed = |e: &dyn std::fmt::Display| EventsError::Failed(self.commit_error(e));
         let pending = lock(&self.pending).clone();
-        let mut insert = tx.prepare_cached("INSERT OR REPLACE INTO events (run_id, seq, body) VALUES (?1, ?2, ?3)")?;
-        for event in pending.iter().chain(events) {
-            let body = serde_json::to_string(event).unwrap_or_default();
-            insert.execute(params![event.run_id, event.seq as i64, body])?;
+        let mut insert =
+            tx.prepare_cached("INSERT INTO events (run_id, seq, body) VALUES (?1, ?2, ?3)").map_err(|e| failed(&e))?;
+        for (n, event) in pending.iter().chain(events).enumerate() {
+            let body = serde_json::to_string(event).map_err(|e| failed(&e))?;
+            match insert.execute(params![event.run_id, event.seq as i64, body]) {
+                Ok(_) => {}
+                // A failed statement leaves the transaction as it was: the others go on.
+                Err(e) if is_constraint(&e) && n < pending.len() => {
+                    tracing::warn!("dropping a journal record: {}", duplicate_event(event));
+                    continue;
+                }
+                Err(e) if is_constraint(&e) => {
+                    return Err(EventsError::Duplicate(self.commit_error(duplicate_event(event))));
+                }
+                Err(e) => return Err(failed(&e)),
+            }
             if event.event == EventKind::SagaFinished {
                 let status =
                     event.data.as_ref().and_then(|d| d.get("status")).and_then(Value::as_str).unwrap_or("finished");
                 tx.execute(
                     "UPDATE runs SET status = ?1, finished_ms = ?2 WHERE run_id = ?3",
                     params![status, now_ms() as i64, event.run_id],
-                )?;
+                )
+                .map_err(|e| failed(&e))?;
             }
         }
         Ok(pending.len())
@@ -341,35 +473,54 @@ impl SqliteBackend {
     fn written(&self, n: usize) {
         lock(&self.pending).drain(..n);
     }
+
+    /// The output cached under `key`, read in `conn`'s transaction.
+    fn cached_in(&self, conn: &Connection, key: &str) -> Result<Option<Value>, CommitError> {
+        let text: Option<String> = conn
+            .query_row("SELECT output FROM results WHERE key = ?1", params![key], |r| r.get(0))
+            .optional()
+            .map_err(|e| self.commit_error(e))?;
+        text.map(|t| serde_json::from_str(&t).map_err(|e| self.commit_error(format!("cached result {key}: {e}"))))
+            .transpose()
+    }
 }
 
 fn data_version(conn: &Connection) -> rusqlite::Result<i64> {
     conn.query_row("PRAGMA data_version", [], |r| r.get(0))
 }
 
+/// Whether `conn` holds sagabox's tables.
+fn has_schema(conn: &Connection) -> rusqlite::Result<bool> {
+    conn.query_row("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'meta'", [], |r| {
+        r.get::<_, i64>(0)
+    })
+    .map(|n| n > 0)
+}
+
 impl Backend for SqliteBackend {
     fn snapshot(&self) -> State {
-        {
-            let conn = lock(&self.conn);
-            if let Err(e) = self.catch_up(&conn) {
-                tracing::warn!("cannot catch up with the database: {e}");
-            }
+        if let Err(e) = self.refresh() {
+            tracing::warn!("cannot catch up with the database: {e}");
         }
         self.state.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     fn commit(&self, txn: &Txn, result: Option<(&str, &Value)>, events: &[Event]) -> Result<Vec<Change>, CommitError> {
-        let backend = |e: &dyn std::fmt::Display| CommitError::Backend(self.error(e).to_string());
         let mut conn = lock(&self.conn);
-        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| backend(&e))?;
-        // Under the write lock: the in-memory state is brought up to the database's, and the
-        // transaction is validated against it.
-        self.catch_up(&tx).map_err(|e| backend(&e))?;
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.commit_error(e))?;
+        // Under the write lock: another delivery of this call that committed first wins.
+        if let Some((key, _)) = result
+            && let Some(output) = self.cached_in(&tx, key)?
+        {
+            return Err(CommitError::AlreadyCommitted(output));
+        }
+        // The in-memory state is brought up to the database's, and the transaction is
+        // validated against it; the new version follows the database's own counter.
+        let version = self.catch_up(&tx).map_err(|e| self.commit_error(e))? + 1;
         let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
         txn.validate(&state)?;
         let changes = txn.changes(&state);
-        let version = state.version() + 1;
-        let write = || -> rusqlite::Result<usize> {
+        let write = || -> rusqlite::Result<()> {
             let mut put =
                 tx.prepare_cached("INSERT OR REPLACE INTO docs (ns, key, body, version) VALUES (?1, ?2, ?3, ?4)")?;
             for (ns, key, text) in txn.writes() {
@@ -382,16 +533,16 @@ impl Backend for SqliteBackend {
             if let Some((key, output)) = result {
                 let run_id = events.first().map_or("", |e| e.run_id.as_str());
                 tx.execute(
-                    "INSERT OR REPLACE INTO results (key, run_id, output) VALUES (?1, ?2, ?3)",
+                    "INSERT INTO results (key, run_id, output) VALUES (?1, ?2, ?3)",
                     params![key, run_id, output.to_string()],
                 )?;
             }
-            let flushed = self.write_events(&tx, events)?;
             tx.execute("UPDATE meta SET value = ?1 WHERE name = 'version'", params![version as i64])?;
-            Ok(flushed)
+            Ok(())
         };
-        let flushed = write().map_err(|e| backend(&e))?;
-        tx.commit().map_err(|e| backend(&e))?;
+        write().map_err(|e| self.commit_error(e))?;
+        let flushed = self.write_events(&tx, events).map_err(EventsError::into_commit_error)?;
+        tx.commit().map_err(|e| self.commit_error(e))?;
         self.written(flushed);
         state.apply(version, txn.writes());
         // Our own commit changed data_version only for other connections; ours is current.
@@ -403,30 +554,44 @@ impl Backend for SqliteBackend {
         let urgent = events
             .iter()
             .any(|e| matches!(e.event, EventKind::SagaStarted | EventKind::SagaResumed | EventKind::SagaFinished));
-        lock(&self.pending).extend_from_slice(events);
         if !urgent {
+            lock(&self.pending).extend_from_slice(events);
             return Ok(());
         }
-        let mut conn = lock(&self.conn);
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .map_err(|e| CommitError::Backend(self.error(e).to_string()))?;
-        let flushed = self.write_events(&tx, &[]).map_err(|e| CommitError::Backend(self.error(e).to_string()))?;
-        tx.commit().map_err(|e| CommitError::Backend(self.error(e).to_string()))?;
-        self.written(flushed);
-        Ok(())
+        match self.write_now(events) {
+            Ok(()) => Ok(()),
+            Err(EventsError::Duplicate(e)) => Err(e),
+            // Kept for the next commit.
+            Err(EventsError::Failed(e)) => {
+                lock(&self.pending).extend_from_slice(events);
+                Err(e)
+            }
+        }
+    }
+
+    fn blocks(&self) -> bool {
+        true
     }
 
     fn cached(&self, key: &str) -> Option<Value> {
         let conn = lock(&self.conn);
-        let text: Option<String> = conn
-            .query_row("SELECT output FROM results WHERE key = ?1", params![key], |r| r.get(0))
-            .optional()
-            .unwrap_or_else(|e| {
-                tracing::warn!("cannot read the result cache: {e}");
-                None
-            });
-        text.and_then(|t| serde_json::from_str(&t).ok())
+        self.cached_in(&conn, key).unwrap_or_else(|e| {
+            tracing::warn!("cannot read the result cache: {e}");
+            None
+        })
+    }
+}
+
+impl SqliteBackend {
+    /// Writes the pending events and `events` in a transaction of their own.
+    fn write_now(&self, events: &[Event]) -> Result<(), EventsError> {
+        let failed = |e: rusqlite::Error| EventsError::Failed(self.commit_error(e));
+        let mut conn = lock(&self.conn);
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(failed)?;
+        let flushed = self.write_events(&tx, events)?;
+        tx.commit().map_err(failed)?;
+        self.written(flushed);
+        Ok(())
     }
 }
 
@@ -492,5 +657,161 @@ mod tests {
         after.get("orders", "o1");
         after.put("orders", "o2", "{}").unwrap();
         b.commit(&after, None, &[]).unwrap();
+    }
+
+    fn open(path: &Path) -> SqliteBackend {
+        SqliteBackend::open(path, Durability::Normal).unwrap()
+    }
+
+    fn allocated(db: &SqliteBackend) -> u64 {
+        let doc = db.current_state().unwrap().get("pools", "p").unwrap().text.clone();
+        serde_json::from_str::<Value>(&doc).unwrap()["allocated"].as_u64().unwrap()
+    }
+
+    /// Adds `n` to the pool as a call would: read, modify, write, again on a conflict.
+    fn add(db: &SqliteBackend, n: u64) {
+        for _ in 0..5 {
+            let mut txn = Txn::new(db.snapshot(), WriteQuota::default());
+            let pool: Value = serde_json::from_str(&txn.get("pools", "p").unwrap()).unwrap();
+            let now = pool["allocated"].as_u64().unwrap();
+            txn.put("pools", "p", &json!({ "allocated": now + n }).to_string()).unwrap();
+            match db.commit(&txn, None, &[]) {
+                Ok(_) => return,
+                Err(CommitError::Conflict(_)) => continue,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        panic!("kept conflicting");
+    }
+
+    fn run_record(run_id: &str, pid: u32) -> RunRecord {
+        RunRecord {
+            run_id: run_id.into(),
+            saga: "s".into(),
+            saga_path: "s.json".into(),
+            definition: "{}".into(),
+            input: json!({}),
+            seed: 1,
+            status: "running".into(),
+            pid,
+            started_ms: 0,
+            finished_ms: None,
+        }
+    }
+
+    fn event(run_id: &str, seq: u64, kind: EventKind) -> Event {
+        let mut event = Event::new(kind);
+        event.run_id = run_id.into();
+        event.seq = seq;
+        event
+    }
+
+    #[test]
+    fn a_commit_that_writes_nothing_never_hides_another_process_commit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let a = open(&path);
+        a.seed(&state()).unwrap();
+        let b = open(&path);
+        // a commits a read-only step (its journal records and nothing else)...
+        let mut read_only = Txn::new(a.snapshot(), WriteQuota::default());
+        read_only.get("pools", "p");
+        a.commit(&read_only, None, &[event("ra", 0, EventKind::StepCompleted)]).unwrap();
+        // ...b allocates 5, and then a allocates 10 on top of what it sees.
+        add(&b, 5);
+        add(&a, 10);
+        assert_eq!(allocated(&a), 15, "an update was lost");
+        assert_eq!(a.snapshot().digest(), a.current_state().unwrap().digest());
+        assert_eq!(b.snapshot().digest(), a.current_state().unwrap().digest());
+    }
+
+    #[test]
+    fn seeding_checks_and_seeds_in_one_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let b = open(&path);
+        // Another process holds the write lock: it seeds and commits a step.
+        let other = Connection::open(&path).unwrap();
+        other
+            .execute_batch(
+                "BEGIN IMMEDIATE;
+                 INSERT INTO docs VALUES ('pools', 'p', '{\"allocated\":7}', 2);
+                 INSERT INTO namespaces VALUES ('pools', 1);
+                 UPDATE meta SET value = 2 WHERE name = 'version';",
+            )
+            .unwrap();
+        let seeding = std::thread::spawn(move || b.seed_if_new(&state()).unwrap());
+        std::thread::sleep(Duration::from_millis(200));
+        other.execute_batch("COMMIT").unwrap();
+        assert!(!seeding.join().unwrap(), "seeded a database that was no longer new");
+        assert_eq!(allocated(&open(&path)), 7, "the seed overwrote a committed step");
+    }
+
+    #[test]
+    fn only_one_process_adopts_a_run() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let (a, b) = (open(&path), open(&path));
+        a.register_run(&run_record("r", 4_000_000)).unwrap();
+        // Both saw the dead process 4000000 running it; only the first takes it over.
+        assert!(a.adopt_run("r", 4_000_000).unwrap());
+        assert!(!b.adopt_run("r", 4_000_000).unwrap());
+        assert_eq!(a.runs().unwrap()[0].pid, std::process::id());
+        assert!(!a.adopt_run("missing", 4_000_000).unwrap());
+    }
+
+    #[test]
+    fn a_journal_record_is_never_overwritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let (a, b) = (open(&path), open(&path));
+        a.record(&[event("r", 0, EventKind::SagaStarted)]).unwrap();
+        let err = b.record(&[event("r", 0, EventKind::SagaResumed)]).unwrap_err();
+        assert!(matches!(&err, CommitError::Backend(m) if m.contains("'r'") && m.contains("seq 0")), "{err}");
+        assert_eq!(a.events("r").unwrap()[0].event, EventKind::SagaStarted);
+        // The failed write does not block b's other runs.
+        b.record(&[event("other", 0, EventKind::SagaStarted)]).unwrap();
+        let mut txn = Txn::new(b.snapshot(), WriteQuota::default());
+        txn.put("pools", "q", "{}").unwrap();
+        b.commit(&txn, None, &[event("other", 1, EventKind::StepCompleted)]).unwrap();
+        assert_eq!(b.events("other").unwrap().len(), 2);
+    }
+
+    #[test]
+    fn a_second_commit_under_one_key_writes_nothing_and_returns_the_first_output() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let a = open(&path);
+        a.seed(&state()).unwrap();
+        let b = open(&path);
+        // Both deliveries of the same call ran before either committed.
+        let mut first = Txn::new(a.snapshot(), WriteQuota::default());
+        let mut second = Txn::new(b.snapshot(), WriteQuota::default());
+        first.put("allocations", "A1", r#"{"n":1}"#).unwrap();
+        second.put("allocations", "A1", r#"{"n":2}"#).unwrap();
+        a.commit(&first, Some(("k", &json!({"n": 1}))), &[event("r", 0, EventKind::StepCompleted)]).unwrap();
+        let err = b.commit(&second, Some(("k", &json!({"n": 2}))), &[event("r2", 0, EventKind::StepCompleted)]);
+        assert!(matches!(&err, Err(CommitError::AlreadyCommitted(v)) if *v == json!({"n": 1})), "{err:?}");
+        assert_eq!(&*a.current_state().unwrap().get("allocations", "A1").unwrap().text, r#"{"n":1}"#);
+        assert_eq!(b.cached("k"), Some(json!({"n": 1})));
+        assert!(b.events("r2").unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_reused_run_id_is_reported_as_such() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir.path().join("db.sqlite"));
+        db.register_run(&run_record("r", 1)).unwrap();
+        let err = db.register_run(&run_record("r", 2)).unwrap_err();
+        assert!(matches!(err, RegisterError::Exists { ref run_id, .. } if run_id == "r"), "{err}");
+    }
+
+    #[test]
+    fn opening_a_missing_database_for_reading_creates_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("missing.sqlite");
+        let err = SqliteBackend::open_existing(&path, Durability::Normal).err().unwrap();
+        assert!(err.to_string().contains("missing.sqlite") && err.to_string().contains("no such database"), "{err}");
+        assert!(!path.exists());
     }
 }

@@ -11,6 +11,26 @@ pub enum ToolError {
     Transient(String),
 }
 
+/// Why the host's store refused an operation (mirrors `store-error` in the WIT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreErrorKind {
+    InvalidDocument,
+    QuotaExceeded,
+    Unavailable,
+}
+
+impl ToolError {
+    /// How a tool reports a store refusal it does not handle itself: the one mapping the
+    /// sandboxed plugins and their native build share.
+    pub fn from_store(kind: StoreErrorKind, message: String) -> ToolError {
+        match kind {
+            StoreErrorKind::InvalidDocument => ToolError::InvalidInput(message),
+            StoreErrorKind::QuotaExceeded => ToolError::Rejected(message),
+            StoreErrorKind::Unavailable => ToolError::Transient(message),
+        }
+    }
+}
+
 /// Who is calling (mirrors `call-context` in the WIT).
 #[derive(Debug, Clone, Default)]
 pub struct Context {
@@ -127,10 +147,15 @@ impl<'a> Args<'a> {
     }
 }
 
+/// Characters of the idempotency key a record id keeps: 24 hex digits are 96 bits, so among
+/// 10^9 records of a long-lived database two ids collide with probability below 10^-11.
+pub const RECORD_ID_KEY_CHARS: usize = 24;
+
 /// The id of the record a call creates: `prefix` and the start of its idempotency key.
 pub fn record_id(prefix: &str, idempotency_key: &str) -> String {
-    let end = idempotency_key.len().min(12);
-    format!("{prefix}{}", idempotency_key[..end].to_ascii_uppercase())
+    // By characters, not bytes: a key given by hand may hold any character.
+    let kept: String = idempotency_key.chars().take(RECORD_ID_KEY_CHARS).collect();
+    format!("{prefix}{}", kept.to_ascii_uppercase())
 }
 
 /// The record a compensator must undo: named in its arguments (`id_field`), in the forward
@@ -265,7 +290,28 @@ mod tests {
         let envelope = json!({"forward": {"output": {"id": "Y"}, "idempotency_key": key}});
         assert_eq!(undo_target(&envelope, "id", "R").unwrap(), "Y");
         let lost = json!({"forward": {"output": null, "idempotency_key": key}});
-        assert_eq!(undo_target(&lost, "id", "R").unwrap(), "RABCDEF012345");
+        assert_eq!(undo_target(&lost, "id", "R").unwrap(), "RABCDEF0123456789");
         assert!(undo_target(&json!({}), "id", "R").is_err());
+    }
+
+    #[test]
+    fn record_ids_keep_enough_of_the_key_that_a_collision_is_negligible_at_a_billion_records() {
+        let key = "0123456789abcdef".repeat(4);
+        let id = record_id("R", &key);
+        let kept = &id[1..];
+        assert!(kept.chars().all(|c| c.is_ascii_hexdigit()), "{id}");
+        assert_eq!(kept.len(), RECORD_ID_KEY_CHARS, "{id}");
+        assert_eq!(RECORD_ID_KEY_CHARS, 24);
+        // Birthday bound: n records with b random bits collide with probability <= n^2 / 2^(b+1).
+        let (records, bits) = (1e9_f64, 4 * kept.len() as i32);
+        let bound = records * records / 2f64.powi(bits + 1);
+        assert!(bound < 1e-9, "{bits} bits: collision probability up to {bound:e} at 10^9 records");
+    }
+
+    #[test]
+    fn record_ids_never_split_a_character_of_an_unusual_key() {
+        let key = format!("a{}", "é".repeat(30));
+        assert_eq!(record_id("R", &key), format!("RA{}", "é".repeat(23)).to_ascii_uppercase());
+        assert_eq!(record_id("R", "short"), "RSHORT");
     }
 }

@@ -16,7 +16,9 @@ pub mod rental;
 pub mod resources;
 pub mod shipping;
 
-pub use common::{Args, Context, Plugin, Store, StoreExt, ToolError, ToolSpec, compensator_schema, to_json};
+pub use common::{
+    Args, Context, Plugin, Store, StoreErrorKind, StoreExt, ToolError, ToolSpec, compensator_schema, to_json,
+};
 pub use serde_json::{Value, json};
 
 /// The bundled plugins by name, for hosts that run them natively.
@@ -62,10 +64,11 @@ macro_rules! export_plugin {
         struct HostStore;
 
         fn store_error(error: wit_store::StoreError) -> $crate::ToolError {
+            use $crate::StoreErrorKind as K;
             match error {
-                wit_store::StoreError::InvalidDocument(m) => $crate::ToolError::InvalidInput(m),
-                wit_store::StoreError::QuotaExceeded(m) => $crate::ToolError::Rejected(m),
-                wit_store::StoreError::Unavailable(m) => $crate::ToolError::Transient(m),
+                wit_store::StoreError::InvalidDocument(m) => $crate::ToolError::from_store(K::InvalidDocument, m),
+                wit_store::StoreError::QuotaExceeded(m) => $crate::ToolError::from_store(K::QuotaExceeded, m),
+                wit_store::StoreError::Unavailable(m) => $crate::ToolError::from_store(K::Unavailable, m),
             }
         }
 

@@ -212,7 +212,11 @@ pub struct Args {
     /// Random schedules in the verification benchmark's campaign.
     #[arg(long, default_value_t = 1000)]
     campaign_runs: usize,
-    /// Benchmark groups to run: runtime, sagas, cli, memory, verify, durable, snapshot [default: all].
+    /// Steps of the long saga the scale benchmark validates, runs and rolls back.
+    #[arg(long, default_value_t = 10_000)]
+    scale_steps: usize,
+    /// Benchmark groups to run: runtime, sagas, cli, memory, verify, durable, snapshot, scale
+    /// [default: all].
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Print JSON instead of a table.
@@ -314,6 +318,9 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
             results.extend(snapshot_costs(*mb)?);
         }
     }
+    if wants("scale") {
+        results.extend(long_saga(&runtime, args.scale_steps).await?);
+    }
     if args.json {
         let rates: Vec<_> = rates.iter().map(|(name, rate)| json!({ "name": name, "per_second": rate })).collect();
         println!("{}", serde_json::to_string_pretty(&json!({ "measurements": results, "rates": rates }))?);
@@ -337,6 +344,45 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
         println!("{table}");
     }
     Ok(super::Outcome::Success)
+}
+
+/// A saga of `steps` chained one-unit allocations: validated, run to completion, and run
+/// against a pool one unit short, so that its last step fails and every other is undone.
+async fn long_saga(runtime: &Runtime, steps: usize) -> anyhow::Result<Vec<Measurement>> {
+    let chain: Vec<serde_json::Value> = (0..steps)
+        .map(|i| {
+            json!({ "id": format!("s{i}"), "action": { "name": "resources.allocate",
+                         "arguments": { "pool_id": "p", "amount": 1 } } })
+        })
+        .collect();
+    let text = json!({ "saga": { "steps": chain } }).to_string();
+    let path = Path::new("long.json");
+    let pool =
+        |capacity: usize| State::from_json(&json!({ "pools": { "p": { "capacity": capacity, "allocated": 0 } } }));
+    let (mut validate, mut forward, mut rollback) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..3 {
+        let started = Instant::now();
+        let saga = Saga::from_text(&text, path, runtime)?;
+        validate.push(started.elapsed());
+        for (capacity, expect, samples) in
+            [(steps, Status::Completed, &mut forward), (steps - 1, Status::Failed, &mut rollback)]
+        {
+            let backend = MemoryBackend::new(pool(capacity).map_err(anyhow::Error::msg)?);
+            let mut options = RunOptions::new(format!("long-{round}"), json!({}));
+            options.deterministic = true;
+            let started = Instant::now();
+            let report = saga::run(runtime, &saga, &backend, options).await;
+            samples.push(started.elapsed());
+            if report.status != expect {
+                anyhow::bail!("the {steps}-step saga ended {:?}: {:?}", report.status, report.error);
+            }
+        }
+    }
+    Ok(vec![
+        Measurement::from_samples(format!("{steps}-step saga: validate"), validate),
+        Measurement::from_samples(format!("{steps}-step saga: run, all complete"), forward),
+        Measurement::from_samples(format!("{steps}-step saga: run, last fails, {} undone", steps - 1), rollback),
+    ])
 }
 
 /// `sagabox run sagas/ct1-payment-failure.json` as a whole process, with a warm compile cache

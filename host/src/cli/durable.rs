@@ -13,7 +13,7 @@ use super::{Outcome, PluginArgs};
 /// Where a durable run keeps everything.
 #[derive(clap::Args, Clone)]
 pub struct DbArgs {
-    /// The SQLite database (created if missing).
+    /// The SQLite database (it must exist: `sagabox run --db` creates it).
     #[arg(long, value_name = "FILE")]
     pub db: PathBuf,
     /// normal: survives a killed process (WAL, synchronous=NORMAL); full: also power loss
@@ -24,7 +24,7 @@ pub struct DbArgs {
 
 impl DbArgs {
     pub fn open(&self) -> anyhow::Result<SqliteBackend> {
-        Ok(SqliteBackend::open(&self.db, self.durability)?)
+        Ok(SqliteBackend::open_existing(&self.db, self.durability)?)
     }
 }
 
@@ -125,10 +125,14 @@ pub async fn resume(plugin_args: &PluginArgs, args: ResumeArgs) -> anyhow::Resul
                 continue;
             }
         };
+        // Another resume may have taken it since we listed the runs: only one runs it.
+        if !db.adopt_run(&record.run_id, record.pid)? {
+            eprintln!("skipping run {}: another process took it over", record.run_id);
+            continue;
+        }
         let mut options = RunOptions::new(record.run_id.clone(), record.input.clone());
         options.seed = record.seed;
         options.resume = db.events(&record.run_id)?;
-        db.adopt_run(&record.run_id)?;
         let report = saga::run(&runtime, &saga, &db, options).await;
         all_completed &= report.status == Status::Completed;
         if args.json {
@@ -180,12 +184,7 @@ pub fn journal(args: JournalArgs) -> anyhow::Result<Outcome> {
 
 pub fn state(args: StateArgs) -> anyhow::Result<Outcome> {
     let state: State = match (&args.db, &args.state) {
-        (Some(db), _) => {
-            if !db.exists() {
-                anyhow::bail!("no database at {}", db.display());
-            }
-            SqliteBackend::open(db, Durability::Normal)?.current_state()?
-        }
+        (Some(db), _) => SqliteBackend::open_existing(db, Durability::Normal)?.current_state()?,
         (None, Some(path)) => fixture::load(path)?,
         (None, None) => anyhow::bail!("give --db FILE or --state FIXTURE"),
     };

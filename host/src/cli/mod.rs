@@ -17,7 +17,7 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
-use sagabox::runtime::{Runtime, RuntimeOptions};
+use sagabox::runtime::{Operator, Runtime, RuntimeOptions};
 
 /// A WebAssembly plugin host that runs sagas of sandboxed tool calls, rolls back failed
 /// ones, and verifies that every rollback restores the state.
@@ -53,6 +53,12 @@ pub struct PluginArgs {
     /// Compile every plugin afresh and cache nothing.
     #[arg(long, global = true)]
     no_cache: bool,
+
+    /// The operator's ceiling on what plugin policies may be granted (TOML; see "Policies"
+    /// in the README). Without it, directory plugins get no host directory, environment or
+    /// network, and at most the default limits.
+    #[arg(long, value_name = "FILE", env = "SAGABOX_OPERATOR", global = true)]
+    operator: Option<PathBuf>,
 }
 
 impl PluginArgs {
@@ -66,8 +72,29 @@ impl PluginArgs {
         }
     }
 
+    /// The options, with the operator's ceiling read from its file.
+    pub fn options_with_operator(&self) -> anyhow::Result<RuntimeOptions> {
+        let operator = match &self.operator {
+            Some(path) => Operator::load(path)?,
+            None => Operator::default(),
+        };
+        Ok(RuntimeOptions { operator, ..self.options() })
+    }
+
+    /// The plugins that load; each one that does not is reported on stderr (naming its file)
+    /// and the others still serve.
     pub async fn load(&self) -> anyhow::Result<Runtime> {
-        Runtime::load(self.options()).await.context("cannot load the plugins")
+        Ok(self.load_reporting().await?.0)
+    }
+
+    /// [`PluginArgs::load`], also telling how many plugins did not load.
+    pub async fn load_reporting(&self) -> anyhow::Result<(Runtime, usize)> {
+        let (runtime, errors) =
+            Runtime::load_partial(self.options_with_operator()?).await.context("cannot load the plugins")?;
+        for error in &errors {
+            eprintln!("warning: plugin not loaded: {error}");
+        }
+        Ok((runtime, errors.len()))
     }
 }
 
@@ -158,7 +185,9 @@ fn init_logging(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("SAGABOX_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    // No colour codes in logs that go to a file or a pipe.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
 }
 
 /// Reads a JSON value given inline or as `@FILE` / a path to an existing file.

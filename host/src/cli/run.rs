@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
-use sagabox::durable::{RunRecord, SqliteBackend};
+use sagabox::durable::{RegisterError, RunRecord, SqliteBackend};
 use sagabox::saga::journal::JsonLinesFile;
 use sagabox::saga::{self, Fault, FaultPlan, MemoryBackend, Phase, RunOptions, RunReport, Saga, Status};
 use sagabox::store::{State, fixture};
@@ -144,9 +144,7 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
         }
         Some(path) => {
             let db = SqliteBackend::open(path, args.durability)?;
-            if db.is_new()? {
-                db.seed(&state)?;
-            } else if args.state.is_some() {
+            if !db.seed_if_new(&state)? && args.state.is_some() {
                 bail!("{} already holds a state; --state only seeds a new database", path.display());
             }
             let unfinished = db.runs()?.iter().filter(|r| r.status == "running").count();
@@ -157,7 +155,7 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
                     path.display()
                 );
             }
-            db.register_run(&RunRecord {
+            let registered = db.register_run(&RunRecord {
                 run_id: options.run_id.clone(),
                 saga: saga.name.clone(),
                 saga_path: saga.path.display().to_string(),
@@ -169,7 +167,11 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
                 pid: std::process::id(),
                 started_ms: 0,
                 finished_ms: None,
-            })?;
+            });
+            if let Err(RegisterError::Exists { run_id, .. }) = &registered {
+                bail!("{}", run_exists(&db, path, run_id));
+            }
+            registered?;
             let report = saga::run(&runtime, &saga, &db, options).await;
             let state = db.current_state()?;
             (report, state)
@@ -185,6 +187,18 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
         print_summary(&report);
     }
     Ok(if report.status == Status::Completed { Outcome::Success } else { Outcome::Failure })
+}
+
+/// Why a run id cannot be used again, and what to do instead.
+fn run_exists(db: &SqliteBackend, path: &Path, run_id: &str) -> String {
+    let db_path = path.display();
+    let status = db.runs().ok().and_then(|runs| runs.into_iter().find(|r| r.run_id == run_id)).map(|r| r.status);
+    match status.as_deref() {
+        Some("running") | None => format!(
+            "run '{run_id}' already exists in {db_path}; choose another --run-id or `sagabox resume --db {db_path} {run_id}`"
+        ),
+        Some(status) => format!("run '{run_id}' already exists in {db_path} ({status}); choose another --run-id"),
+    }
 }
 
 pub fn print_summary(report: &RunReport) {

@@ -74,6 +74,7 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
         kinds: if args.faults.is_empty() { FaultKind::ALL.to_vec() } else { args.faults.clone() },
         only_case: args.case.clone(),
         concurrency: args.concurrency,
+        on_case: None,
     };
     let bar = ProgressBar::new(0);
     bar.set_style(
@@ -85,7 +86,9 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     };
-    let (report, timing) = verify::run_campaign(runtime, &subjects, &options, &progress).await;
+    // An unknown --case is a bad argument: an error, not a campaign of zero cases.
+    let prepared = verify::prepare(&runtime, &subjects, &options).await?;
+    let (report, timing) = verify::execute(runtime, prepared, &options, &progress).await;
     bar.finish_and_clear();
 
     if let Some(path) = &args.report {
@@ -137,7 +140,13 @@ fn print_summary(report: &CampaignReport, timing: &Timing) {
         "seed {}: {} cases in {:.2} s ({:.0} cases/s); rollback latency p50 {} µs, p90 {} µs, p99 {} µs",
         report.seed, timing.cases, timing.seconds, timing.cases_per_second, l.p50, l.p90, l.p99
     );
+    for problem in &report.problems {
+        println!("\nFAIL {problem}");
+    }
     for saga in &report.sagas {
+        for problem in &saga.problems {
+            println!("\nFAIL {}: {problem}", saga.saga);
+        }
         for case in saga.cases.iter().filter(|c| c.verdict == Verdict::Fail) {
             println!("\nFAIL {} / {}: {}", saga.saga, case.id, case.reason);
             println!("  expected {}; observed {}", case.expected, case.observed.as_str());
@@ -158,7 +167,9 @@ fn print_summary(report: &CampaignReport, timing: &Timing) {
     }
     if report.passed() {
         println!("every case passed");
-    } else {
+    } else if report.totals.failed > 0 {
         println!("\n{} of {} cases failed", report.totals.failed, report.totals.cases);
+    } else {
+        println!("\nthe campaign failed (see above), although no case did");
     }
 }

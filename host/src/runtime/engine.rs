@@ -137,6 +137,16 @@ pub enum CompileSource {
     Cached,
 }
 
+/// What every cache entry starts with: a format tag, then the SHA-256 of the serialized
+/// component that follows. The hash catches corruption (bit flips, zeroed runs, truncation),
+/// not forgery: whoever can write the directory can write a matching hash, which is why the
+/// cache only uses a directory that no other user can write.
+const ENTRY_MAGIC: &[u8; 8] = b"sgbxc\0\0\x01";
+const ENTRY_HEADER: usize = ENTRY_MAGIC.len() + 32;
+
+/// The largest cache entry read; anything bigger is not one this cache wrote.
+const MAX_ENTRY_BYTES: u64 = 2 << 30;
+
 /// Compiled plugins on disk, keyed by the plugin's SHA-256 and the engine's configuration.
 #[derive(Clone, Debug)]
 pub struct CompileCache {
@@ -144,9 +154,16 @@ pub struct CompileCache {
 }
 
 impl CompileCache {
-    /// A cache in `dir`, or no cache.
+    /// A cache in `dir`, or no cache. The directory is created (mode 0700) if missing; one
+    /// that another user owns or that group or others may write is not used (with a warning
+    /// once per process), since its entries run as machine code in this process.
     pub fn new(dir: Option<PathBuf>) -> CompileCache {
-        CompileCache { dir }
+        CompileCache { dir: dir.and_then(trusted_dir) }
+    }
+
+    /// The directory in use, if any.
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
     }
 
     /// The default location: `$SAGABOX_CACHE_DIR`, else `$XDG_CACHE_HOME/sagabox`, else
@@ -161,8 +178,9 @@ impl CompileCache {
         std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache").join("sagabox"))
     }
 
-    /// The compiled form of `wasm` for `engine`, from the cache or compiled now. A cache
-    /// entry that does not load (stale, truncated, another wasmtime) counts as a miss.
+    /// The compiled form of `wasm` for `engine`, from the cache or compiled now. An entry
+    /// that is absent, not a regular file, fails its integrity check or does not load (stale,
+    /// another wasmtime) counts as a miss: the plugin is compiled and the entry rewritten.
     pub fn load_or_compile(
         &self,
         engine: &Engine,
@@ -172,14 +190,10 @@ impl CompileCache {
         let Some(path) = self.dir.as_ref().map(|dir| dir.join(entry_name(engine, sha256))) else {
             return Ok((Component::new(engine, wasm)?, CompileSource::Compiled));
         };
-        if path.exists() {
-            // SAFETY: the file is one this cache wrote for this engine configuration (its
-            // name carries the plugin's SHA-256 and the engine's compatibility hash), in a
-            // directory only this user writes. wasmtime checks the header and version too.
-            match unsafe { Component::deserialize_file(engine, &path) } {
-                Ok(component) => return Ok((component, CompileSource::Cached)),
-                Err(e) => tracing::warn!("ignoring unusable cache entry {}: {e:#}", path.display()),
-            }
+        match read_entry(&path).and_then(|bytes| bytes.map(|b| deserialize(engine, &b)).transpose()) {
+            Ok(Some(component)) => return Ok((component, CompileSource::Cached)),
+            Ok(None) => {}
+            Err(e) => tracing::warn!("ignoring unusable cache entry {}: {e}", path.display()),
         }
         let component = Component::new(engine, wasm)?;
         if let Err(e) = store_entry(&path, &component.serialize()?) {
@@ -187,6 +201,95 @@ impl CompileCache {
         }
         Ok((component, CompileSource::Compiled))
     }
+}
+
+/// `dir` if this user may trust it as a cache (creating it if missing), else `None`.
+fn trusted_dir(dir: PathBuf) -> Option<PathBuf> {
+    match check_dir(&dir) {
+        Ok(()) => Some(dir),
+        Err(why) => {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| tracing::warn!("not using the compile cache {}: {why}", dir.display()));
+            None
+        }
+    }
+}
+
+#[cfg(unix)]
+fn check_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    if let Err(e) = std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir) {
+        return Err(format!("cannot create it: {e}"));
+    }
+    let meta = std::fs::metadata(dir).map_err(|e| format!("cannot read it: {e}"))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !meta.is_dir() {
+        return Err("it is not a directory".into());
+    }
+    if meta.uid() != me {
+        return Err(format!("it is owned by uid {}, not by this user (uid {me})", meta.uid()));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return Err(format!("group or others may write it (mode {:o})", meta.mode() & 0o7777));
+    }
+    Ok(())
+}
+
+#[cfg(not(unix))]
+fn check_dir(dir: &Path) -> Result<(), String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create it: {e}"))
+}
+
+/// Deserializes a verified entry. wasmtime trusts these bytes, so a panic in it (seen on
+/// damaged metadata) is caught as a last line of defence and counts as a miss.
+fn deserialize(engine: &Engine, bytes: &[u8]) -> Result<Component, String> {
+    let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: the bytes passed the entry's integrity check, so they are what this
+        // cache serialized for this engine configuration (the name carries the engine's
+        // compatibility hash), read from a directory only this user can write.
+        unsafe { Component::deserialize(engine, bytes) }
+    }));
+    match attempt {
+        Ok(Ok(component)) => Ok(component),
+        Ok(Err(e)) => Err(format!("{e:#}")),
+        Err(_) => Err("wasmtime panicked deserializing it".into()),
+    }
+}
+
+/// The serialized component of the entry at `path`, checked; `None` when there is none.
+/// Never follows a symlink and never blocks on a FIFO planted there.
+fn read_entry(path: &Path) -> Result<Option<Vec<u8>>, String> {
+    use std::io::Read;
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NOFOLLOW | libc::O_NONBLOCK);
+    let file = match options.open(path) {
+        Ok(file) => file,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(format!("cannot open it (a symlink?): {e}")),
+    };
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    if !meta.is_file() || meta.len() > MAX_ENTRY_BYTES {
+        return Err("not a regular file of a plausible size".into());
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(MAX_ENTRY_BYTES).read_to_end(&mut bytes).map_err(|e| e.to_string())?;
+    verified(bytes).map(Some)
+}
+
+/// The payload of an entry whose header and hash match.
+fn verified(mut bytes: Vec<u8>) -> Result<Vec<u8>, String> {
+    if bytes.len() < ENTRY_HEADER || &bytes[..ENTRY_MAGIC.len()] != ENTRY_MAGIC {
+        return Err("not an entry of this cache's format".into());
+    }
+    let payload = &bytes[ENTRY_HEADER..];
+    if Sha256::digest(payload)[..] != bytes[ENTRY_MAGIC.len()..ENTRY_HEADER] {
+        return Err("its integrity check failed (the file is corrupted)".into());
+    }
+    bytes.drain(..ENTRY_HEADER);
+    Ok(bytes)
 }
 
 /// `<plugin sha256>-<engine hash>.cwasm`.
@@ -205,17 +308,31 @@ fn entry_name(engine: &Engine, sha256: &str) -> String {
     format!("{sha256}-{}.cwasm", &hex::encode(hasher.0.finalize())[..16])
 }
 
-/// Writes atomically (temp file + rename), so a crash never leaves a half entry behind.
-fn store_entry(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+/// Writes an entry atomically: header and bytes into a new file with a random name,
+/// created exclusively without following symlinks (nobody can make us write through a
+/// planted link), then renamed over the entry (rename replaces a link, never follows it).
+fn store_entry(path: &Path, serialized: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
     let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = dir.join(format!(".{name}.{:016x}.tmp", rand::random::<u64>()));
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
     #[cfg(unix)]
     {
-        use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(0o600).custom_flags(libc::O_NOFOLLOW);
     }
-    let tmp =
-        dir.join(format!(".{}.{}.tmp", path.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path)
+    let mut file = options.open(&tmp)?;
+    let written = (|| {
+        file.write_all(ENTRY_MAGIC)?;
+        file.write_all(&Sha256::digest(serialized))?;
+        file.write_all(serialized)?;
+        file.sync_data()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }

@@ -29,6 +29,10 @@ pub enum LoadError {
     InvalidName { path: PathBuf, name: String },
     #[error("two plugins are named '{name}': {first} and {second}")]
     DuplicateName { name: String, first: PathBuf, second: PathBuf },
+    #[error("{path}: refused: {detail} (load cap {cap}; an operator can raise it)")]
+    OverCap { path: PathBuf, cap: &'static str, detail: String },
+    #[error("{path}: not loaded: {reason}")]
+    NotAPlugin { path: PathBuf, reason: String },
     #[error("cannot read plugin directory {path}: {error}")]
     Directory { path: PathBuf, error: std::io::Error },
     #[error("cannot set up the WebAssembly engine: {0}")]

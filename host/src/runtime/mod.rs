@@ -7,9 +7,11 @@
 //! output cap and a store write quota. The call's store writes stay in its [`Txn`] until the
 //! caller commits it, so a call that fails in any way writes nothing.
 
+mod access;
 mod engine;
 pub mod error;
 mod native;
+pub mod operator;
 mod plugin;
 pub mod policy;
 mod sandbox;
@@ -21,17 +23,18 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use serde_json::Value;
-use wasmtime::{Store, Trap};
+use wasmtime::{Store, Trap, UpdateDeadline};
 
 pub use engine::{CompileCache, CompileSource, EngineOptions};
 pub use error::{CallError, FailureKind, LoadError};
-pub use plugin::{BundledPlugin, Origin, Plugin, Tool, ToolInfo, valid_name};
+pub use operator::{Grant, Operator, OperatorError};
+pub use plugin::{BundledPlugin, LoadCaps, Origin, Plugin, Tool, ToolInfo, valid_name};
 pub use policy::{LimitOverrides, Limits, Policy};
 pub use sandbox::InjectedFault;
 
 use crate::store::{Change, Conflict, MemoryStore, State, Txn};
 use engine::Engines;
-use plugin::{Source, validate_manifest};
+use plugin::{ManifestError, Source, validate_manifest};
 use sandbox::{Abort, CallState, Grants};
 
 /// Bindings generated from `wit/`.
@@ -58,9 +61,13 @@ pub struct RuntimeOptions {
     pub engine: EngineOptions,
     /// Limits of every call, before plugin policies and per-call overrides.
     pub defaults: Limits,
+    /// The most any plugin's policy may be granted.
+    pub operator: Operator,
     /// For benchmarks: call the bundled tools' logic natively, outside the sandbox (the
     /// plugins are still loaded, for their manifests). Not for untrusted code.
     pub native_tools: bool,
+    /// What loading one plugin may cost (file size, nesting, functions, manifest).
+    pub load: LoadCaps,
 }
 
 impl Default for RuntimeOptions {
@@ -71,7 +78,9 @@ impl Default for RuntimeOptions {
             cache_dir: CompileCache::default_dir(),
             engine: EngineOptions::default(),
             defaults: Limits::default(),
+            operator: Operator::default(),
             native_tools: false,
+            load: LoadCaps::default(),
         }
     }
 }
@@ -100,6 +109,12 @@ pub struct CallOptions {
     pub fault: Option<InjectedFault>,
     /// Seed for deterministic WASI clocks and randomness (verification campaigns).
     pub seed: Option<u64>,
+    /// An instant the call may not run past whatever its limits say (a saga's deadline):
+    /// its deadline is the earlier of the two, so the guest is cut there.
+    pub deadline: Option<Instant>,
+    /// Run the guest in a task of its own, in parallel with the caller's other calls (for
+    /// a caller with several calls in flight; a lone call is cheaper inline).
+    pub parallel: bool,
 }
 
 /// The result of running a call, before its writes are committed.
@@ -124,6 +139,35 @@ pub struct CallOutcome {
     pub runs: u32,
 }
 
+/// What became of committing one run of a call.
+pub enum CommitAttempt<T, E> {
+    /// The writes are in.
+    Committed(T),
+    /// Something the call read changed before its writes got in: run it again.
+    Conflict(Conflict),
+    /// The commit failed for another reason; the call is not run again.
+    Failed(E),
+}
+
+/// Why a call run to commit did not complete.
+#[derive(Debug)]
+pub enum CallFailure<E> {
+    /// The call itself failed (or its reads kept changing under it); nothing was written.
+    Call(CallError),
+    /// The caller's commit failed.
+    Commit(E),
+}
+
+/// A call run (and run again on conflicts) until its writes were committed.
+#[derive(Debug)]
+pub struct Committed<T, E> {
+    pub result: Result<(Value, T), CallFailure<E>>,
+    pub fuel_used: u64,
+    pub elapsed: Duration,
+    /// Runs of the call (more than one when commits conflicted).
+    pub runs: u32,
+}
+
 /// The loaded plugins and the engines that run them.
 pub struct Runtime {
     engines: Engines,
@@ -134,8 +178,9 @@ pub struct Runtime {
 }
 
 impl Runtime {
-    /// Loads the bundled plugins and every `*.wasm` of `options.plugin_dirs`.
-    pub async fn load(options: RuntimeOptions) -> Result<Runtime, LoadErrors> {
+    /// Loads the plugins, serving those that load: the error list names every plugin that
+    /// did not. `Err` only when nothing can run (the engine or the default limits).
+    pub async fn load_partial(options: RuntimeOptions) -> Result<(Runtime, Vec<LoadError>), LoadErrors> {
         options.defaults.check().map_err(|e| LoadErrors(vec![LoadError::Engine(e)]))?;
         let mut runtime = Runtime {
             engines: Engines::new(options.engine),
@@ -144,68 +189,56 @@ impl Runtime {
             native_tools: options.native_tools,
             plugins: BTreeMap::new(),
         };
-        let mut sources = Vec::new();
-        let mut errors = Vec::new();
-        if options.bundled {
-            for bundled in crate::bundled::BUNDLED {
-                match Source::bundled(bundled) {
-                    Ok(source) => sources.push(source),
-                    Err(e) => errors.push(e),
-                }
-            }
-        }
-        for dir in &options.plugin_dirs {
-            match wasm_files(dir) {
-                Ok(files) => {
-                    for file in files {
-                        match Source::file(&file) {
-                            Ok(source) => sources.push(source),
-                            Err(e) => errors.push(e),
-                        }
-                    }
-                }
-                Err(error) => errors.push(LoadError::Directory { path: dir.clone(), error }),
-            }
-        }
-        for source in sources {
-            if let Some(existing) = runtime.plugins.get(&source.name) {
-                errors.push(LoadError::DuplicateName {
-                    name: source.name.clone(),
-                    first: PathBuf::from(existing.origin.to_string()),
-                    second: source.path(),
-                });
-                continue;
-            }
-            match runtime.prepare(source).await {
+        let (sources, mut errors) = sources(&options);
+        let sources = first_of_each_name(sources, &mut errors);
+        // Plugins load side by side (compilation on blocking threads, manifest calls as
+        // futures that yield every tick), so a slow one delays no other; `buffered` keeps
+        // the order of the error list.
+        let loads = sources.into_iter().map(|source| {
+            let span = tracing::warn_span!("plugin", path = %source.path().display());
+            tracing::Instrument::instrument(runtime.prepare(source, &options.operator, &options.load), span)
+        });
+        let results: Vec<_> =
+            futures::StreamExt::collect(futures::StreamExt::buffered(futures::stream::iter(loads), load_parallelism()))
+                .await;
+        for result in results {
+            match result {
                 Ok(plugin) => {
                     runtime.plugins.insert(plugin.name.clone(), Arc::new(plugin));
                 }
                 Err(e) => errors.push(e),
             }
         }
+        Ok((runtime, errors))
+    }
+
+    /// Loads the bundled plugins and every `*.wasm` of `options.plugin_dirs`; all or
+    /// nothing (see [`Runtime::load_partial`] to serve the plugins that load).
+    pub async fn load(options: RuntimeOptions) -> Result<Runtime, LoadErrors> {
+        let (runtime, errors) = Runtime::load_partial(options).await?;
         if errors.is_empty() { Ok(runtime) } else { Err(LoadErrors(errors)) }
     }
 
     /// Compiles (or loads from the cache), links and asks for the manifest of one plugin.
-    async fn prepare(&self, source: Source) -> Result<Plugin, LoadError> {
+    async fn prepare(&self, source: Source, operator: &Operator, caps: &LoadCaps) -> Result<Plugin, LoadError> {
         source.check_header()?;
         let path = source.path();
-        let limits = self.defaults.with(&source.policy.limits);
+        let bundled = source.origin == Origin::Bundled;
+        let grant = operator.grant(&source.name, bundled, &source.policy, &self.defaults);
+        let limits = grant.limits.clone();
         limits.check().map_err(|reason| LoadError::InvalidPolicy { path: path.clone(), reason })?;
         let sha256 = crate::json::sha256_hex(&source.wasm);
-        let grants = Arc::new(Grants::from_policy(&source.policy));
-        let (pre, compiled) = self.link(&source.wasm, &sha256, &grants, limits.stack_kib, &path)?;
-        let manifest = self
-            .read_manifest(&pre, &source.name, &limits)
-            .await
-            .map_err(|reason| LoadError::InvalidManifest { path: path.clone(), reason })?;
-        let tools = validate_manifest(manifest).map_err(|reason| LoadError::InvalidManifest { path, reason })?;
+        let grants = Arc::new(Grants::from_policy(&grant.policy));
+        let (pre, compiled) = self.link_for_load(&source, &sha256, &grants, limits.stack_kib, caps).await?;
+        let manifest = self.read_manifest(&pre, &source.name, &limits, caps).await.map_err(|e| e.at(path.clone()))?;
+        let tools = validate_manifest(manifest, caps).map_err(|e| e.at(path))?;
         tracing::debug!(plugin = %source.name, %sha256, ?compiled, "loaded plugin");
         Ok(Plugin {
             name: source.name,
             origin: source.origin,
             sha256,
             policy: source.policy,
+            grant,
             limits: limits.clone(),
             compiled,
             tools,
@@ -229,37 +262,92 @@ impl Runtime {
             .cache
             .load_or_compile(&engine, wasm, sha256)
             .map_err(|e| LoadError::InvalidComponent { path: path.to_path_buf(), reason: format!("{e:#}") })?;
-        let linker = sandbox::linker(&engine, grants).map_err(|e| LoadError::Engine(format!("{e:#}")))?;
-        let wrong_world =
-            |e: wasmtime::Error| LoadError::WrongWorld { path: path.to_path_buf(), reason: format!("{e:#}") };
-        let instance_pre = linker.instantiate_pre(&component).map_err(wrong_world)?;
-        let pre = bindings::PluginPre::new(instance_pre).map_err(|e| LoadError::WrongWorld {
-            path: path.to_path_buf(),
-            reason: format!("it does not export the tool interface of the sagabox:plugin@0.1.0 world ({e:#})"),
-        })?;
-        Ok((pre, compiled))
+        Ok((self.pre_link(&engine, &component, grants, path)?, compiled))
     }
 
-    /// Calls `manifest` in a sandbox with the plugin's limits and no store access.
+    /// [`Runtime::link`] at load time: the structure checked against `caps` first, and the
+    /// CPU-bound work on a blocking thread (inside the caller's span, so that wasmtime's
+    /// warnings name the plugin).
+    async fn link_for_load(
+        &self,
+        source: &Source,
+        sha256: &str,
+        grants: &Grants,
+        stack_kib: u64,
+        caps: &LoadCaps,
+    ) -> Result<(bindings::PluginPre<CallState>, CompileSource), LoadError> {
+        let path = source.path();
+        let engine = self.engines.get(stack_kib).map_err(LoadError::Engine)?;
+        let (cache, wasm, sha256, caps, span) =
+            (self.cache.clone(), source.wasm.clone(), sha256.to_string(), caps.clone(), tracing::Span::current());
+        let (job_engine, job_path) = (engine.clone(), path.clone());
+        let job = tokio::task::spawn_blocking(move || {
+            let _entered = span.enter();
+            plugin::check_structure(&wasm, &job_path, &caps)?;
+            cache
+                .load_or_compile(&job_engine, &wasm, &sha256)
+                .map_err(|e| LoadError::InvalidComponent { path: job_path, reason: format!("{e:#}") })
+        });
+        let (component, compiled) =
+            job.await.map_err(|e| LoadError::InvalidComponent { path: path.clone(), reason: format!("{e}") })??;
+        Ok((self.pre_link(&engine, &component, grants, &path)?, compiled))
+    }
+
+    /// Links a compiled plugin against the host's imports for its grants.
+    fn pre_link(
+        &self,
+        engine: &wasmtime::Engine,
+        component: &wasmtime::component::Component,
+        grants: &Grants,
+        path: &std::path::Path,
+    ) -> Result<bindings::PluginPre<CallState>, LoadError> {
+        let linker = sandbox::linker(engine, grants).map_err(|e| LoadError::Engine(format!("{e:#}")))?;
+        let wrong_world =
+            |e: wasmtime::Error| LoadError::WrongWorld { path: path.to_path_buf(), reason: format!("{e:#}") };
+        let instance_pre = linker.instantiate_pre(component).map_err(wrong_world)?;
+        bindings::PluginPre::new(instance_pre).map_err(|e| LoadError::WrongWorld {
+            path: path.to_path_buf(),
+            reason: format!("it does not export the tool interface of the sagabox:plugin@0.1.0 world ({e:#})"),
+        })
+    }
+
+    /// Calls `manifest` in a sandbox with the plugin's limits, cut to the load budget of
+    /// `caps` (a policy cannot stall start-up), and no store access.
     async fn read_manifest(
         &self,
         pre: &bindings::PluginPre<CallState>,
         name: &str,
         limits: &Limits,
-    ) -> Result<Vec<bindings::exports::sagabox::plugin::tool::ToolInfo>, String> {
+        caps: &LoadCaps,
+    ) -> Result<Vec<bindings::exports::sagabox::plugin::tool::ToolInfo>, ManifestError> {
+        let limits = &manifest_limits(limits, caps);
         let tool: Arc<str> = format!("{name}.manifest").into();
         let txn = Txn::new(State::default(), limits.write_quota());
-        let state = CallState::new(Arc::new(Grants::default()), tool.clone(), limits, txn, None)?;
+        let state = CallState::new(Arc::new(Grants::default()), tool.clone(), limits, txn, None)
+            .map_err(ManifestError::Invalid)?;
         let mut store = self.new_store(pre.engine(), state, limits);
         let run = tokio::time::timeout(limits.deadline(), async {
             let instance = pre.instantiate_async(&mut store).await?;
             instance.sagabox_plugin_tool().call_manifest(&mut store).await
         })
         .await;
+        let over_time = || {
+            ManifestError::OverCap(
+                "manifest_deadline_ms",
+                format!("the manifest call took longer than {} ms", limits.deadline_ms),
+            )
+        };
         match run {
             Ok(Ok(infos)) => Ok(infos),
-            Ok(Err(e)) => Err(format!("the manifest call failed: {}", classify(&tool, e, &store, limits))),
-            Err(_) => Err(format!("the manifest call took longer than {} ms", limits.deadline_ms)),
+            Ok(Err(e)) => match classify(&tool, e, &store, limits) {
+                CallError::OutOfFuel { fuel, .. } => Err(ManifestError::OverCap(
+                    "manifest_fuel",
+                    format!("the manifest call ran out of fuel ({fuel} units)"),
+                )),
+                CallError::DeadlineExceeded { .. } => Err(over_time()),
+                other => Err(ManifestError::Invalid(format!("the manifest call failed: {other}"))),
+            },
+            Err(_) => Err(over_time()),
         }
     }
 
@@ -272,9 +360,19 @@ impl Runtime {
             let _ = store.set_fuel(limits.fuel);
         }
         if options.epochs {
-            let tick = engine::EPOCH_TICK.as_millis().max(1) as u64;
-            store.set_epoch_deadline(limits.deadline_ms.div_ceil(tick) + 1);
-            store.epoch_deadline_trap();
+            let deadline = Instant::now() + limits.deadline();
+            // Every tick the guest yields to the executor, so a spinning guest never holds a
+            // worker thread (nor a task that shares it); at its deadline, or when an injected
+            // deadline fault fires, it is interrupted.
+            store.set_epoch_deadline(1);
+            store.epoch_deadline_callback(move |cx| {
+                let injected = cx.data().abort == Some(Abort::Injected(InjectedFault::Deadline));
+                if injected || Instant::now() >= deadline {
+                    Ok(UpdateDeadline::Interrupt)
+                } else {
+                    Ok(UpdateDeadline::Yield(1))
+                }
+            });
         }
         store
     }
@@ -320,8 +418,19 @@ impl Runtime {
                 return Invocation { result: Err(e), txn, fuel_used: 0, elapsed: started.elapsed() };
             }
         };
-        let limits = self.limits_for(plugin, &options.limits);
+        let mut limits = self.limits_for(plugin, &options.limits);
         let mut txn = Txn::new(base, limits.write_quota());
+        if let Some(deadline) = options.deadline {
+            let left = deadline.saturating_duration_since(started);
+            if left.is_zero() {
+                let result = Err(CallError::DeadlineExceeded { tool: qualified.into(), deadline_ms: 0 });
+                return Invocation { result, txn, fuel_used: 0, elapsed: started.elapsed() };
+            }
+            // Rounded up: the guest is never cut before `deadline`, so a caller that sees
+            // the call cut by its deadline also finds `deadline` passed.
+            let left_ms = left.as_micros().div_ceil(1000).max(1) as u64;
+            limits.deadline_ms = limits.deadline_ms.min(left_ms);
+        }
         let mut fuel_used = 0;
         let result = self.run(plugin, tool, qualified, args, options, &limits, &mut txn, &mut fuel_used).await;
         Invocation { result, txn, fuel_used, elapsed: started.elapsed() }
@@ -366,11 +475,24 @@ impl Runtime {
             idempotency_key: options.context.idempotency_key.clone(),
         };
         let args_text = crate::json::canonical(args);
-        let run = tokio::time::timeout(limits.deadline(), async {
-            let instance = pre.instantiate_async(&mut store).await?;
-            instance.sagabox_plugin_tool().call_call(&mut store, &tool.info.name, &args_text, &context).await
-        })
-        .await;
+        let (tool_name, budget) = (tool.info.name.clone(), limits.deadline());
+        // The timer catches a guest blocked in a host call (the epoch, one spinning in wasm).
+        let guest = async move {
+            let run = tokio::time::timeout(budget, async {
+                let instance = pre.instantiate_async(&mut store).await?;
+                instance.sagabox_plugin_tool().call_call(&mut store, &tool_name, &args_text, &context).await
+            })
+            .await;
+            (run, store)
+        };
+        let (run, mut store) = if options.parallel {
+            match AbortOnDrop(tokio::spawn(guest)).await {
+                Ok(done) => done,
+                Err(e) => return Err(host_error(format!("the call's task failed: {e}"))),
+            }
+        } else {
+            guest.await
+        };
         if self.engines.options().fuel {
             *fuel_used = limits.fuel.saturating_sub(store.get_fuel().unwrap_or(0));
         }
@@ -403,42 +525,97 @@ impl Runtime {
         Ok(pre)
     }
 
-    /// Runs a call and commits its writes to `store`, running it again (on a fresh
-    /// snapshot) when another commit changed what it read.
-    pub async fn call(&self, qualified: &str, args: &Value, options: &CallOptions, store: &MemoryStore) -> CallOutcome {
+    /// Runs a call on the state `snapshot` gives and hands its result to `commit`; when the
+    /// commit meets a conflict, waits a little and runs the call again on a fresh snapshot,
+    /// up to [`MAX_COMMIT_RUNS`] runs. A failed call commits nothing.
+    pub async fn call_and_commit<T, E>(
+        &self,
+        qualified: &str,
+        args: &Value,
+        options: &CallOptions,
+        snapshot: impl Fn() -> State,
+        mut commit: impl FnMut(&Invocation, &Value) -> CommitAttempt<T, E>,
+    ) -> Committed<T, E> {
         let mut runs = 0;
         loop {
             runs += 1;
-            let invocation = self.invoke(qualified, args, options, store.snapshot()).await;
-            let committed = match &invocation.result {
-                Ok(_) => store.commit(&invocation.txn),
-                Err(_) => Ok(Vec::new()),
+            let invocation = self.invoke(qualified, args, options, snapshot()).await;
+            let (fuel_used, elapsed) = (invocation.fuel_used, invocation.elapsed);
+            let done = |result| Committed { result, fuel_used, elapsed, runs };
+            let output = match &invocation.result {
+                Ok(output) => output,
+                Err(e) => return done(Err(CallFailure::Call(e.clone()))),
             };
-            match committed {
-                Ok(changes) => {
-                    return CallOutcome {
-                        result: invocation.result,
-                        changes,
-                        fuel_used: invocation.fuel_used,
-                        elapsed: invocation.elapsed,
-                        runs,
-                    };
+            let conflict = match commit(&invocation, output) {
+                CommitAttempt::Committed(value) => {
+                    return done(invocation.result.map(|o| (o, value)).map_err(CallFailure::Call));
                 }
-                Err(Conflict { namespace, key }) if runs >= MAX_COMMIT_RUNS => {
-                    return CallOutcome {
-                        result: Err(CallError::Transient {
-                            tool: qualified.into(),
-                            message: format!("{namespace}/{key} kept changing under the call ({runs} runs)"),
-                        }),
-                        changes: Vec::new(),
-                        fuel_used: invocation.fuel_used,
-                        elapsed: invocation.elapsed,
-                        runs,
-                    };
-                }
-                Err(conflict) => tracing::debug!(tool = qualified, %conflict, "commit conflict, running again"),
+                CommitAttempt::Failed(e) => return done(Err(CallFailure::Commit(e))),
+                CommitAttempt::Conflict(conflict) => conflict,
+            };
+            if runs >= MAX_COMMIT_RUNS {
+                let message =
+                    format!("{}/{} kept changing under the call ({runs} runs)", conflict.namespace, conflict.key);
+                return done(Err(CallFailure::Call(CallError::Transient { tool: qualified.into(), message })));
             }
+            tracing::debug!(tool = qualified, %conflict, "commit conflict; running the call again");
+            tokio::time::sleep(conflict_backoff(runs, options.deadline)).await;
         }
+    }
+
+    /// Runs a call and commits its writes to `store` (see [`Runtime::call_and_commit`]).
+    pub async fn call(&self, qualified: &str, args: &Value, options: &CallOptions, store: &MemoryStore) -> CallOutcome {
+        let committed = self
+            .call_and_commit(
+                qualified,
+                args,
+                options,
+                || store.snapshot(),
+                |invocation, _| match store.commit(&invocation.txn) {
+                    Ok(changes) => CommitAttempt::Committed(changes),
+                    Err(conflict) => CommitAttempt::<_, std::convert::Infallible>::Conflict(conflict),
+                },
+            )
+            .await;
+        let (result, changes) = match committed.result {
+            Ok((output, changes)) => (Ok(output), changes),
+            Err(CallFailure::Call(e)) => (Err(e), Vec::new()),
+            Err(CallFailure::Commit(never)) => match never {},
+        };
+        CallOutcome {
+            result,
+            changes,
+            fuel_used: committed.fuel_used,
+            elapsed: committed.elapsed,
+            runs: committed.runs,
+        }
+    }
+}
+
+/// How long to wait before running a call again after its `runs`-th commit conflicted:
+/// exponential from 1 ms up to 32 ms, with random jitter so that the calls that collided
+/// do not collide again; never past `deadline`.
+fn conflict_backoff(runs: u32, deadline: Option<Instant>) -> Duration {
+    let ceiling = Duration::from_millis(1 << runs.saturating_sub(1).min(5));
+    let delay = ceiling.mul_f64(rand::random_range(0.5..1.0));
+    deadline.map_or(delay, |d| delay.min(d.saturating_duration_since(Instant::now())))
+}
+
+/// A spawned task that is aborted when its handle is dropped (a caller that gives up on a
+/// call, e.g. a cancelled request, stops the guest at its next yield).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl<T> std::future::Future for AbortOnDrop<T> {
+    type Output = Result<T, tokio::task::JoinError>;
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0).poll(cx)
     }
 }
 
@@ -447,14 +624,121 @@ pub fn bundled_wasm(name: &str) -> Option<&'static [u8]> {
     crate::bundled::BUNDLED.iter().find(|p| p.name == name).map(|p| p.wasm)
 }
 
-/// `*.wasm` files of `dir`, sorted.
-fn wasm_files(dir: &std::path::Path) -> std::io::Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+/// Every `*.wasm` entry of `dir`, sorted: the plugin files, and an error for each entry that
+/// is not one (a directory, a FIFO, a device, a dangling symlink, a symlink out of `dir`
+/// unless `follow_links_out`), so that nothing is skipped silently.
+fn wasm_files(dir: &std::path::Path, follow_links_out: bool) -> std::io::Result<Vec<Result<PathBuf, LoadError>>> {
+    let root = std::fs::canonicalize(dir)?;
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "wasm"))
+        .filter(|p| p.extension().is_some_and(|x| x == "wasm"))
         .collect();
-    files.sort();
-    Ok(files)
+    paths.sort();
+    Ok(paths.into_iter().map(|path| plugin_file(path, &root, follow_links_out)).collect())
+}
+
+/// `path` when it is a regular file, or a symlink to one inside `root` (anywhere when
+/// `follow_links_out`).
+fn plugin_file(path: PathBuf, root: &std::path::Path, follow_links_out: bool) -> Result<PathBuf, LoadError> {
+    let refuse = |path: PathBuf, reason: String| Err(LoadError::NotAPlugin { path, reason });
+    let meta = match std::fs::symlink_metadata(&path) {
+        Ok(meta) => meta,
+        Err(e) => return refuse(path, format!("cannot inspect it: {e}")),
+    };
+    if !meta.file_type().is_symlink() {
+        return if meta.is_file() { Ok(path) } else { refuse(path, format!("it is {}", file_kind(&meta))) };
+    }
+    let target = match std::fs::canonicalize(&path) {
+        Ok(target) => target,
+        Err(e) => return refuse(path, format!("a dangling symlink ({e})")),
+    };
+    if !follow_links_out && !target.starts_with(root) {
+        let reason = format!(
+            "a symlink out of the plugin directory, to {} (following such links is off: load cap follow_links_out)",
+            target.display()
+        );
+        return refuse(path, reason);
+    }
+    match std::fs::metadata(&target) {
+        Ok(meta) if meta.is_file() => Ok(path),
+        Ok(meta) => refuse(path, format!("a symlink to {}, which is {}", target.display(), file_kind(&meta))),
+        Err(e) => refuse(path, format!("a symlink to {}, which cannot be read ({e})", target.display())),
+    }
+}
+
+/// What a non-regular file is, for messages.
+fn file_kind(meta: &std::fs::Metadata) -> &'static str {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let kind = meta.file_type();
+        if kind.is_fifo() {
+            return "a FIFO, not a regular file";
+        }
+        if kind.is_char_device() || kind.is_block_device() {
+            return "a device, not a regular file";
+        }
+        if kind.is_socket() {
+            return "a socket, not a regular file";
+        }
+    }
+    if meta.is_dir() { "a directory, not a regular file" } else { "not a regular file" }
+}
+
+/// The plugins `options` names, read and checked for size; an error for each that is not.
+fn sources(options: &RuntimeOptions) -> (Vec<Source>, Vec<LoadError>) {
+    let (mut sources, mut errors) = (Vec::new(), Vec::new());
+    let bundled = if options.bundled { crate::bundled::BUNDLED } else { &[] };
+    for result in bundled.iter().map(Source::bundled) {
+        match result {
+            Ok(source) => sources.push(source),
+            Err(e) => errors.push(e),
+        }
+    }
+    for dir in &options.plugin_dirs {
+        match wasm_files(dir, options.load.follow_links_out) {
+            Ok(files) => {
+                for file in files {
+                    match file.and_then(|file| Source::file(&file, &options.load)) {
+                        Ok(source) => sources.push(source),
+                        Err(e) => errors.push(e),
+                    }
+                }
+            }
+            Err(error) => errors.push(LoadError::Directory { path: dir.clone(), error }),
+        }
+    }
+    (sources, errors)
+}
+
+/// The first source of each name; an error for every later one.
+fn first_of_each_name(sources: Vec<Source>, errors: &mut Vec<LoadError>) -> Vec<Source> {
+    let mut seen: std::collections::HashMap<String, PathBuf> = std::collections::HashMap::new();
+    let mut kept = Vec::with_capacity(sources.len());
+    for source in sources {
+        if let Some(first) = seen.get(&source.name) {
+            let (name, first, second) = (source.name.clone(), first.clone(), source.path());
+            errors.push(LoadError::DuplicateName { name, first, second });
+            continue;
+        }
+        seen.insert(source.name.clone(), source.path());
+        kept.push(source);
+    }
+    kept
+}
+
+/// Plugins loading at once: enough to keep the cores busy, few enough to bound the memory
+/// of compilations in flight.
+fn load_parallelism() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8)
+}
+
+/// A plugin's limits cut to the load budget for its `manifest` call.
+fn manifest_limits(limits: &Limits, caps: &LoadCaps) -> Limits {
+    let mut cut = limits.clone();
+    cut.fuel = cut.fuel.min(caps.manifest_fuel);
+    cut.deadline_ms = cut.deadline_ms.min(caps.manifest_deadline_ms).max(1);
+    cut
 }
 
 fn tool_failure(tool: &str, error: bindings::exports::sagabox::plugin::tool::ToolError) -> CallError {

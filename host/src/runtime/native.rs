@@ -5,59 +5,51 @@
 use sagabox_toolkit::{Context, Store, ToolError};
 use serde_json::Value;
 
+use super::access::{Granted, Refusal};
 use super::error::CallError;
-use super::policy::{Limits, StoreGrants};
+use super::policy::Limits;
 use super::{CallContext, Plugin};
-use crate::store::{Txn, TxnError};
+use crate::store::Txn;
 
 /// The toolkit's store trait over a call's transaction, with the plugin's grants.
 struct NativeStore<'a> {
-    txn: &'a mut Txn,
-    grants: &'a StoreGrants,
+    granted: Granted<'a>,
+    /// The first access the grants refused: the call then fails with `access_denied`, as a
+    /// sandboxed call is stopped.
     denied: Option<String>,
 }
 
 impl NativeStore<'_> {
-    fn deny(&mut self, what: String) -> ToolError {
-        self.denied.get_or_insert(what.clone());
-        ToolError::Transient(what)
-    }
-}
-
-fn store_error(e: TxnError) -> ToolError {
-    match e {
-        TxnError::InvalidDocument { .. } => ToolError::InvalidInput(e.to_string()),
-        TxnError::QuotaExceeded(_) => ToolError::Rejected(e.to_string()),
+    fn refused(&mut self, refusal: Refusal) -> ToolError {
+        match refusal {
+            Refusal::Denied(what) => {
+                self.denied.get_or_insert(what.clone());
+                ToolError::Transient(what)
+            }
+            Refusal::Store(kind, message) => ToolError::from_store(kind, message),
+        }
     }
 }
 
 impl Store for NativeStore<'_> {
     fn get(&mut self, ns: &str, key: &str) -> Result<Option<String>, ToolError> {
-        if !self.grants.can_read(ns) {
-            return Err(self.deny(format!("namespace '{ns}' is not granted for reading")));
-        }
-        Ok(self.txn.get(ns, key).map(|t| t.to_string()))
+        let got = self.granted.get(ns, key);
+        got.map(|t| t.map(|t| t.to_string())).map_err(|r| self.refused(r))
     }
 
     fn put(&mut self, ns: &str, key: &str, doc: &str) -> Result<(), ToolError> {
-        if !self.grants.can_write(ns) {
-            return Err(self.deny(format!("namespace '{ns}' is not granted for writing")));
-        }
-        self.txn.put(ns, key, doc).map_err(store_error)
+        let put = self.granted.put(ns, key, doc);
+        put.map_err(|r| self.refused(r))
     }
 
     fn delete(&mut self, ns: &str, key: &str) -> Result<bool, ToolError> {
-        if !self.grants.can_write(ns) {
-            return Err(self.deny(format!("namespace '{ns}' is not granted for writing")));
-        }
-        self.txn.delete(ns, key).map_err(store_error)
+        let deleted = self.granted.delete(ns, key);
+        deleted.map_err(|r| self.refused(r))
     }
 
     fn list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, ToolError> {
-        if !self.grants.can_read(ns) {
-            return Err(self.deny(format!("namespace '{ns}' is not granted for reading")));
-        }
-        Ok(self.txn.list(ns, prefix))
+        let listed = self.granted.list(ns, prefix);
+        listed.map_err(|r| self.refused(r))
     }
 }
 
@@ -81,7 +73,7 @@ pub(crate) fn call(
         attempt: context.attempt,
         idempotency_key: context.idempotency_key.clone(),
     };
-    let mut store = NativeStore { txn, grants: &plugin.grants.store, denied: None };
+    let mut store = NativeStore { granted: Granted { txn, grants: &plugin.grants.store }, denied: None };
     let result = (native.call)(&mut store, tool, args, &ctx);
     if let Some(what) = store.denied {
         return Err(CallError::AccessDenied { tool: qualified, what });

@@ -12,6 +12,7 @@ use super::bindings::PluginPre;
 use super::bindings::exports::sagabox::plugin::tool::ToolInfo as WitToolInfo;
 use super::engine::CompileSource;
 use super::error::LoadError;
+use super::operator::Grant;
 use super::policy::{Limits, Policy};
 use super::sandbox::{CallState, Grants};
 
@@ -92,8 +93,12 @@ pub struct Plugin {
     pub origin: Origin,
     /// Lower-case hex SHA-256 of the component's bytes: the plugin's identity.
     pub sha256: String,
+    /// What its policy file (or, bundled, its shipped policy) requests.
     pub policy: Policy,
-    /// The host defaults with the policy's limits laid over them.
+    /// What it was granted: the request cut down to the operator's ceiling.
+    pub grant: Grant,
+    /// The granted limits: the host defaults with the policy's limits laid over them, at
+    /// most the ceiling's.
     pub limits: Limits,
     pub compiled: CompileSource,
     pub tools: BTreeMap<String, Tool>,
@@ -106,6 +111,48 @@ pub struct Plugin {
 impl fmt::Debug for Plugin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Plugin").field("name", &self.name).field("sha256", &self.sha256).finish()
+    }
+}
+
+/// What loading one plugin may cost, whatever its policy says. Loading runs before any
+/// call and blocks start-up, so every cost an untrusted file controls is capped; each
+/// refusal names the file and the cap (the field's name) an operator can raise.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoadCaps {
+    /// Largest `.wasm` file, checked before reading it.
+    pub max_file_bytes: u64,
+    /// Deepest nesting of components and modules (wasmtime's translation costs the square
+    /// of it in memory).
+    pub max_nesting: usize,
+    /// Most functions (core functions plus canonical lifts and lowers) in one plugin.
+    pub max_functions: u64,
+    /// Most tools one manifest may list.
+    pub max_tools: usize,
+    /// Longest tool description (bytes).
+    pub max_description_bytes: usize,
+    /// Longest argument schema (bytes of JSON).
+    pub max_schema_bytes: usize,
+    /// Fuel of the `manifest` call, at most (a policy may only lower it).
+    pub manifest_fuel: u64,
+    /// Deadline of the `manifest` call, at most (a policy may only lower it).
+    pub manifest_deadline_ms: u64,
+    /// Follow symlinks in a plugin directory that lead out of it.
+    pub follow_links_out: bool,
+}
+
+impl Default for LoadCaps {
+    fn default() -> Self {
+        LoadCaps {
+            max_file_bytes: 64 << 20,
+            max_nesting: 100,
+            max_functions: 100_000,
+            max_tools: 1_000,
+            max_description_bytes: 16 << 10,
+            max_schema_bytes: 256 << 10,
+            manifest_fuel: 1_000_000_000,
+            manifest_deadline_ms: 1_000,
+            follow_links_out: false,
+        }
     }
 }
 
@@ -130,12 +177,12 @@ impl Source {
     }
 
     /// Reads `<dir>/<name>.wasm` and its policy `<dir>/<name>.policy.toml`, if any.
-    pub fn file(path: &Path) -> Result<Source, LoadError> {
+    pub fn file(path: &Path, caps: &LoadCaps) -> Result<Source, LoadError> {
         let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_string();
         if !valid_name(&name) {
             return Err(LoadError::InvalidName { path: path.to_path_buf(), name });
         }
-        let wasm = std::fs::read(path).map_err(|error| LoadError::Io { path: path.to_path_buf(), error })?;
+        let wasm = read_capped(path, caps.max_file_bytes)?;
         let policy_path = path.with_file_name(format!("{name}.policy.toml"));
         let policy = match std::fs::read_to_string(&policy_path) {
             Ok(text) => Policy::parse(&text, policy_path.parent())
@@ -172,6 +219,88 @@ impl Source {
     }
 }
 
+/// Refuses a structure whose translation would cost more than `caps` allow: nesting deeper
+/// than `max_nesting` (wasmtime's memory grows with its square), more than `max_functions`
+/// functions. One linear pass with wasmparser, before wasmtime sees the bytes.
+pub(crate) fn check_structure(wasm: &[u8], path: &Path, caps: &LoadCaps) -> Result<(), LoadError> {
+    let over = |cap, detail| LoadError::OverCap { path: path.to_path_buf(), cap, detail };
+    let (mut depth, mut functions) = (0usize, 0u64);
+    for payload in wasmparser::Parser::new(0).parse_all(wasm) {
+        use wasmparser::Payload;
+        let payload =
+            payload.map_err(|e| LoadError::InvalidComponent { path: path.to_path_buf(), reason: e.to_string() })?;
+        match payload {
+            Payload::Version { .. } => depth += 1,
+            Payload::End(_) => depth = depth.saturating_sub(1),
+            Payload::FunctionSection(s) => functions += u64::from(s.count()),
+            Payload::ComponentCanonicalSection(s) => functions += u64::from(s.count()),
+            _ => {}
+        }
+        if depth > caps.max_nesting {
+            return Err(over("max_nesting", format!("components nested more than {} deep", caps.max_nesting)));
+        }
+        if functions > caps.max_functions {
+            return Err(over("max_functions", format!("more than {} functions", caps.max_functions)));
+        }
+    }
+    Ok(())
+}
+
+/// The bytes of the regular file at `path`, refused over `limit` before reading; never
+/// blocks on a FIFO (it is refused as not a regular file).
+fn read_capped(path: &Path, limit: u64) -> Result<Vec<u8>, LoadError> {
+    use std::io::Read;
+    let io = |error| LoadError::Io { path: path.to_path_buf(), error };
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut options, libc::O_NONBLOCK);
+    let file = options.open(path).map_err(io)?;
+    let meta = file.metadata().map_err(io)?;
+    if !meta.is_file() {
+        return Err(LoadError::NotAPlugin { path: path.to_path_buf(), reason: "not a regular file".into() });
+    }
+    if meta.len() > limit {
+        let detail = format!("the file is {} bytes, more than {limit}", meta.len());
+        return Err(LoadError::OverCap { path: path.to_path_buf(), cap: "max_file_bytes", detail });
+    }
+    let mut wasm = Vec::with_capacity(meta.len() as usize);
+    // `take`: the file may grow between the check and the read.
+    file.take(limit + 1).read_to_end(&mut wasm).map_err(io)?;
+    if wasm.len() as u64 > limit {
+        let detail = format!("the file grew past {limit} bytes while being read");
+        return Err(LoadError::OverCap { path: path.to_path_buf(), cap: "max_file_bytes", detail });
+    }
+    Ok(wasm)
+}
+
+/// Refuses a manifest over `caps` before anything in it is parsed or compiled.
+fn check_manifest_size(infos: &[WitToolInfo], caps: &LoadCaps) -> Result<(), (&'static str, String)> {
+    if infos.len() > caps.max_tools {
+        return Err(("max_tools", format!("the manifest lists {} tools, more than {}", infos.len(), caps.max_tools)));
+    }
+    for info in infos {
+        let name = info.name.get(..info.name.len().min(64)).unwrap_or("?");
+        if info.description.len() > caps.max_description_bytes {
+            let detail = format!(
+                "tool '{name}': its description is {} bytes, more than {}",
+                info.description.len(),
+                caps.max_description_bytes
+            );
+            return Err(("max_description_bytes", detail));
+        }
+        if info.args_schema.len() > caps.max_schema_bytes {
+            let detail = format!(
+                "tool '{name}': its args-schema is {} bytes, more than {}",
+                info.args_schema.len(),
+                caps.max_schema_bytes
+            );
+            return Err(("max_schema_bytes", detail));
+        }
+    }
+    Ok(())
+}
+
 /// Plugin and tool names: lower-case letters, digits, `_` and `-`, starting with a letter
 /// or digit (so that `<plugin>.<tool>` is unambiguous).
 pub fn valid_name(name: &str) -> bool {
@@ -180,8 +309,40 @@ pub fn valid_name(name: &str) -> bool {
         && chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '-')
 }
 
-/// Checks a manifest: valid unique names, valid JSON Schemas, existing compensators.
-pub(crate) fn validate_manifest(infos: Vec<WitToolInfo>) -> Result<BTreeMap<String, Tool>, String> {
+/// A manifest over a [`LoadCaps`] cap, or one that breaks a rule.
+#[derive(Debug)]
+pub(crate) enum ManifestError {
+    OverCap(&'static str, String),
+    Invalid(String),
+}
+
+impl From<String> for ManifestError {
+    fn from(reason: String) -> ManifestError {
+        ManifestError::Invalid(reason)
+    }
+}
+
+impl ManifestError {
+    pub fn at(self, path: PathBuf) -> LoadError {
+        match self {
+            ManifestError::OverCap(cap, detail) => LoadError::OverCap { path, cap, detail },
+            ManifestError::Invalid(reason) => LoadError::InvalidManifest { path, reason },
+        }
+    }
+}
+
+/// Checks a manifest: within `caps`, then valid unique names, valid JSON Schemas, existing
+/// compensators.
+pub(crate) fn validate_manifest(
+    infos: Vec<WitToolInfo>,
+    caps: &LoadCaps,
+) -> Result<BTreeMap<String, Tool>, ManifestError> {
+    check_manifest_size(&infos, caps).map_err(|(cap, detail)| ManifestError::OverCap(cap, detail))?;
+    Ok(validate_tools(infos)?)
+}
+
+/// The rules of a manifest within its caps.
+fn validate_tools(infos: Vec<WitToolInfo>) -> Result<BTreeMap<String, Tool>, String> {
     if infos.is_empty() {
         return Err("the manifest lists no tools".into());
     }
@@ -248,15 +409,15 @@ mod tests {
     #[test]
     fn manifests_are_checked() {
         let ok = r#"{"type":"object"}"#;
-        assert!(validate_manifest(vec![info("book", ok, Some("cancel")), info("cancel", ok, None)]).is_ok());
-        let e = validate_manifest(vec![info("book", ok, Some("unbook"))]).unwrap_err();
+        assert!(validate_tools(vec![info("book", ok, Some("cancel")), info("cancel", ok, None)]).is_ok());
+        let e = validate_tools(vec![info("book", ok, Some("unbook"))]).unwrap_err();
         assert!(e.contains("unbook"), "{e}");
-        let e = validate_manifest(vec![info("a", ok, None), info("a", ok, None)]).unwrap_err();
+        let e = validate_tools(vec![info("a", ok, None), info("a", ok, None)]).unwrap_err();
         assert!(e.contains("twice"), "{e}");
-        let e = validate_manifest(vec![info("a", r#"{"type":"no-such-type"}"#, None)]).unwrap_err();
+        let e = validate_tools(vec![info("a", r#"{"type":"no-such-type"}"#, None)]).unwrap_err();
         assert!(e.contains("not a valid JSON Schema"), "{e}");
-        let e = validate_manifest(vec![info("a", "{", None)]).unwrap_err();
+        let e = validate_tools(vec![info("a", "{", None)]).unwrap_err();
         assert!(e.contains("not JSON"), "{e}");
-        assert!(validate_manifest(vec![]).is_err());
+        assert!(validate_tools(vec![]).is_err());
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! A plugin's policy is the file `<plugin>.policy.toml` beside `<plugin>.wasm` (the bundled
 //! plugins carry theirs in the binary). Without one, a plugin gets the default limits and
-//! nothing else: no namespace, no environment, no directory, no network.
+//! nothing else: no namespace, no environment, no directory, no network. A policy only
+//! *requests*: what a plugin gets is what the operator's ceiling allows of it (see
+//! [`super::operator`]).
 //!
 //! ```toml
 //! [store]
@@ -18,14 +20,17 @@
 //!
 //! [wasi]
 //! env = ["TZ"]                    # host variables the plugin may see
-//! network = false
+//! network = ["api.example.com:443"] # hosts it may look up and connect to (true: any the operator allows)
 //! dirs = [{ host = "data", guest = "/data", writable = false }]
 //! ```
 
+use std::fmt;
+use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use crate::store::WriteQuota;
 
@@ -91,6 +96,30 @@ pub struct LimitOverrides {
 }
 
 impl Limits {
+    /// Field by field, the lower of these limits and `cap`, and the name, value and cap of
+    /// every field that `cap` lowered.
+    pub fn capped(&self, cap: &Limits) -> (Limits, Vec<(&'static str, u64, u64)>) {
+        let mut lowered = Vec::new();
+        let mut min = |name: &'static str, value: u64, cap: u64| {
+            if value > cap {
+                lowered.push((name, value, cap));
+            }
+            value.min(cap)
+        };
+        let limits = Limits {
+            fuel: min("fuel", self.fuel, cap.fuel),
+            deadline_ms: min("deadline_ms", self.deadline_ms, cap.deadline_ms),
+            memory_mib: min("memory_mib", self.memory_mib, cap.memory_mib),
+            stack_kib: min("stack_kib", self.stack_kib, cap.stack_kib),
+            table_elements: min("table_elements", self.table_elements, cap.table_elements),
+            instances: min("instances", self.instances, cap.instances),
+            output_kib: min("output_kib", self.output_kib, cap.output_kib),
+            write_kib: min("write_kib", self.write_kib, cap.write_kib),
+            writes: min("writes", self.writes, cap.writes),
+        };
+        (limits, lowered)
+    }
+
     /// These limits with `o`'s fields in place of theirs.
     pub fn with(&self, o: &LimitOverrides) -> Limits {
         Limits {
@@ -186,6 +215,114 @@ pub struct DirGrant {
     pub writable: bool,
 }
 
+/// A host and port a plugin may connect to: `api.example.com:443`, `127.0.0.1:5432`,
+/// `[::1]:8080`. Host names are compared case-insensitively, without a trailing dot.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct NetTarget {
+    /// A lower-case host name, or an IP address (IPv6 without brackets).
+    pub host: String,
+    pub port: u16,
+}
+
+impl NetTarget {
+    /// The host as an IP address, when it is one.
+    pub fn ip(&self) -> Option<IpAddr> {
+        self.host.parse().ok()
+    }
+
+    /// `name` as the targets spell their hosts.
+    pub fn normalize_host(name: &str) -> String {
+        let name = name.strip_prefix('[').and_then(|n| n.strip_suffix(']')).unwrap_or(name);
+        name.trim_end_matches('.').to_ascii_lowercase()
+    }
+}
+
+impl FromStr for NetTarget {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<NetTarget, String> {
+        let bad = |why: &str| format!("'{text}' is not a network target ({why}; write \"host:port\")");
+        let (host, port) = text.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+        let port: u16 = port.parse().ok().filter(|p| *p != 0).ok_or_else(|| bad("the port must be 1 to 65535"))?;
+        if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+            return Err(bad("an IPv6 address goes in brackets"));
+        }
+        let host = NetTarget::normalize_host(host);
+        let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_' | ':');
+        if host.is_empty() || !host.chars().all(valid) || host.contains(':') && host.parse::<IpAddr>().is_err() {
+            return Err(bad("the host must be a name or an IP address"));
+        }
+        Ok(NetTarget { host, port })
+    }
+}
+
+impl fmt::Display for NetTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+impl Serialize for NetTarget {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for NetTarget {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<NetTarget, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The network a policy asks for.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum Network {
+    /// None (`network = false`, the default).
+    #[default]
+    None,
+    /// Whatever the operator allows (`network = true`).
+    Any,
+    /// These hosts (`network = ["host:port", ...]`): name lookups of the hosts and TCP
+    /// connections to their ports.
+    Hosts(Vec<NetTarget>),
+}
+
+impl Network {
+    pub fn is_none(&self) -> bool {
+        matches!(self, Network::None) || matches!(self, Network::Hosts(h) if h.is_empty())
+    }
+}
+
+impl Serialize for Network {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Network::None => s.serialize_bool(false),
+            Network::Any => s.serialize_bool(true),
+            Network::Hosts(hosts) => hosts.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Network {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Network, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged, expecting = "true, false or a list of \"host:port\" strings")]
+        enum Form {
+            Flag(bool),
+            Hosts(Vec<NetTarget>),
+        }
+        Ok(match Form::deserialize(d)? {
+            Form::Flag(false) => Network::None,
+            Form::Flag(true) => Network::Any,
+            Form::Hosts(hosts) => Network::Hosts(hosts),
+        })
+    }
+}
+
 /// WASI capabilities beyond the always-present clocks and randomness.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -196,7 +333,7 @@ pub struct WasiGrants {
     #[serde(default)]
     pub dirs: Vec<DirGrant>,
     #[serde(default)]
-    pub network: bool,
+    pub network: Network,
 }
 
 /// A plugin's policy, as written in its policy file.
@@ -256,5 +393,28 @@ mod tests {
             Policy::parse("[wasi]\ndirs = [{ host = \"data\", guest = \"/data\" }]\n", Some(Path::new("/plugins")))
                 .unwrap();
         assert_eq!(policy.wasi.dirs[0].host, Path::new("/plugins/data"));
+    }
+
+    #[test]
+    fn network_requests_are_flags_or_host_port_lists() {
+        let parse = |text: &str| Policy::parse(&format!("[wasi]\nnetwork = {text}\n"), None).map(|p| p.wasi.network);
+        assert_eq!(parse("false").unwrap(), Network::None);
+        assert_eq!(parse("true").unwrap(), Network::Any);
+        let hosts = parse(r#"["API.example.com.:443", "127.0.0.1:5432", "[::1]:8080"]"#).unwrap();
+        let Network::Hosts(hosts) = hosts else { panic!("{hosts:?}") };
+        let shown: Vec<String> = hosts.iter().map(ToString::to_string).collect();
+        assert_eq!(shown, ["api.example.com:443", "127.0.0.1:5432", "[::1]:8080"]);
+        assert_eq!(hosts[2].ip(), Some("::1".parse().unwrap()));
+        for bad in [r#"["example.com"]"#, r#"["example.com:0"]"#, r#"["::1:80"]"#, r#"["a b:80"]"#, "3"] {
+            assert!(parse(bad).is_err(), "{bad} was accepted");
+        }
+    }
+
+    #[test]
+    fn capped_limits_name_what_the_cap_lowered() {
+        let asked = Limits { fuel: 5, deadline_ms: 99_000, ..Limits::default() };
+        let (capped, lowered) = asked.capped(&Limits::default());
+        assert_eq!(capped, Limits { fuel: 5, ..Limits::default() });
+        assert_eq!(lowered, [("deadline_ms", 99_000, 1_000)]);
     }
 }

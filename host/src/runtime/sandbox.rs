@@ -11,10 +11,13 @@ use wasmtime::component::{Linker, ResourceTable};
 use wasmtime::{Engine, ResourceLimiter, StoreContextMut};
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
+use sagabox_toolkit::StoreErrorKind;
+
+use super::access::{Granted, Refusal};
 use super::bindings::sagabox::plugin::log::Level;
 use super::bindings::sagabox::plugin::store::StoreError;
 use super::policy::{Limits, Policy, StoreGrants};
-use crate::store::{Txn, TxnError};
+use crate::store::Txn;
 
 /// The WASI version this host implements (wasmtime-wasi 48); guests built against any
 /// 0.2.x version link to it.
@@ -139,7 +142,7 @@ pub(crate) struct Grants {
     pub store: StoreGrants,
     pub env: Vec<(String, String)>,
     pub dirs: Vec<super::policy::DirGrant>,
-    pub network: bool,
+    pub network: super::operator::NetAllow,
 }
 
 impl Grants {
@@ -148,7 +151,7 @@ impl Grants {
             store: policy.store.clone(),
             env: policy.wasi.env.iter().filter_map(|k| std::env::var(k).ok().map(|v| (k.clone(), v))).collect(),
             dirs: policy.wasi.dirs.clone(),
-            network: policy.wasi.network,
+            network: super::operator::NetAllow::new(&policy.wasi.network),
         }
     }
 }
@@ -273,11 +276,8 @@ impl CallState {
     ) -> Result<CallState, String> {
         let stderr = StderrHead::default();
         let mut wasi = WasiCtxBuilder::new();
-        wasi.stderr(stderr.clone())
-            .allow_tcp(grants.network)
-            .allow_udp(grants.network)
-            .allow_ip_name_lookup(grants.network)
-            .envs(&grants.env);
+        wasi.stderr(stderr.clone()).envs(&grants.env);
+        grants.network.configure(&mut wasi);
         if let Some(seed) = seed {
             wasi.wall_clock(determinism::FixedClock(seed))
                 .monotonic_clock(determinism::FixedClock(seed))
@@ -310,18 +310,27 @@ impl CallState {
         wasmtime::Error::new(HostStop)
     }
 
-    fn check_read(&mut self, ns: &str) -> wasmtime::Result<()> {
-        if self.grants.store.can_read(ns) {
-            return Ok(());
-        }
-        Err(self.stop(Abort::AccessDenied(format!("namespace '{ns}' is not granted for reading"))))
+    fn granted(&mut self) -> Granted<'_> {
+        Granted { txn: &mut self.txn, grants: &self.grants.store }
     }
 
-    fn check_write(&mut self, ns: &str) -> wasmtime::Result<()> {
-        if self.grants.store.can_write(ns) {
-            return Ok(());
+    /// A refusal as the guest sees it: a denied namespace stops the call; a store error is
+    /// returned to the guest.
+    fn refused(&mut self, refusal: Refusal) -> wasmtime::Result<StoreError> {
+        match refusal {
+            Refusal::Denied(what) => Err(self.stop(Abort::AccessDenied(what))),
+            Refusal::Store(StoreErrorKind::InvalidDocument, m) => Ok(StoreError::InvalidDocument(m)),
+            Refusal::Store(StoreErrorKind::QuotaExceeded, m) => Ok(StoreError::QuotaExceeded(m)),
+            Refusal::Store(StoreErrorKind::Unavailable, m) => Ok(StoreError::Unavailable(m)),
         }
-        Err(self.stop(Abort::AccessDenied(format!("namespace '{ns}' is not granted for writing"))))
+    }
+
+    /// The result of a store operation for the guest.
+    fn answer<T>(&mut self, result: Result<T, Refusal>) -> StoreResult<T> {
+        match result {
+            Ok(value) => Ok((Ok(value),)),
+            Err(refusal) => Ok((Err(self.refused(refusal)?),)),
+        }
     }
 }
 
@@ -342,13 +351,6 @@ fn fire_armed(cx: &mut StoreContextMut<'_, CallState>) -> wasmtime::Result<()> {
     Ok(())
 }
 
-fn store_error(e: TxnError) -> StoreError {
-    match e {
-        TxnError::InvalidDocument { .. } => StoreError::InvalidDocument(e.to_string()),
-        TxnError::QuotaExceeded(_) => StoreError::QuotaExceeded(e.to_string()),
-    }
-}
-
 /// A linker for a plugin with these grants: WASI, the store and log imports, and traps in
 /// place of the WASI capabilities the grants withhold.
 pub(crate) fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linker<CallState>> {
@@ -357,7 +359,11 @@ pub(crate) fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linke
     add_store(&mut linker)?;
     add_log(&mut linker)?;
     linker.allow_shadowing(true);
-    if !grants.network {
+    if grants.network.is_granted() {
+        // Outgoing TCP to the granted hosts only: no UDP, every lookup and connect checked.
+        deny(&mut linker, "sockets/udp-create-socket", "create-udp-socket", "UDP")?;
+        add_network_checks(&mut linker)?;
+    } else {
         for (interface, func) in [
             ("sockets/instance-network", "instance-network"),
             ("sockets/tcp-create-socket", "create-tcp-socket"),
@@ -367,10 +373,62 @@ pub(crate) fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linke
             deny(&mut linker, interface, func, "network access")?;
         }
     }
-    if grants.dirs.is_empty() {
+    // wasi-libc lists the preopens when it sets up sockets: with network granted, an empty
+    // list (no directory to open) stands for the denial.
+    if grants.dirs.is_empty() && !grants.network.is_granted() {
         deny(&mut linker, "filesystem/preopens", "get-directories", "filesystem access")?;
     }
     Ok(linker)
+}
+
+/// Stops a lookup of a host, or a connection to an address, that the plugin's network grant
+/// does not list, with an access-denied error (WASI's own address check, which stays on,
+/// would only hand the guest an error code).
+fn add_network_checks(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
+    use wasmtime::component::Resource;
+    use wasmtime_wasi::p2::bindings::sockets::{ip_name_lookup, network, tcp};
+    use wasmtime_wasi::sockets::WasiSocketsView;
+    type Lookup = Result<Resource<ip_name_lookup::ResolveAddressStream>, network::ErrorCode>;
+    type Connect = (Resource<tcp::TcpSocket>, Resource<network::Network>, network::IpSocketAddress);
+
+    let lookups = format!("wasi:sockets/ip-name-lookup@{WASI_VERSION}");
+    linker.instance(&lookups)?.func_wrap(
+        "resolve-addresses",
+        |mut cx, (net, name): (Resource<network::Network>, String)| -> wasmtime::Result<(Lookup,)> {
+            let state = cx.data_mut();
+            if !state.grants.network.allows_name(&name) {
+                let granted = state.grants.network.describe();
+                let what = format!("network access to '{name}' is not granted (granted: {granted})");
+                return Err(state.stop(Abort::AccessDenied(what)));
+            }
+            let mut view = state.sockets();
+            match ip_name_lookup::Host::resolve_addresses(&mut view, net, name) {
+                Ok(stream) => Ok((Ok(stream),)),
+                Err(e) => Ok((Err(network::Host::convert_error_code(&mut view, e)?),)),
+            }
+        },
+    )?;
+    linker.instance(&format!("wasi:sockets/tcp@{WASI_VERSION}"))?.func_wrap_async(
+        "[method]tcp-socket.start-connect",
+        |mut cx: StoreContextMut<'_, CallState>, (socket, net, remote): Connect| {
+            Box::new(async move {
+                let addr = std::net::SocketAddr::from(remote);
+                let allow = cx.data().grants.network.clone();
+                if !allow.allows(addr).await {
+                    let what = format!("network access to {addr} is not granted (granted: {})", allow.describe());
+                    return Err(cx.data_mut().stop(Abort::AccessDenied(what)));
+                }
+                let mut view = cx.data_mut().sockets();
+                let started: Result<(), network::ErrorCode> =
+                    match tcp::HostTcpSocket::start_connect(&mut view, socket, net, remote) {
+                        Ok(()) => Ok(()),
+                        Err(e) => Err(network::Host::convert_error_code(&mut view, e)?),
+                    };
+                Ok((started,))
+            })
+        },
+    )?;
+    Ok(())
 }
 
 /// Replaces a WASI function with one that stops the call with an access-denied error.
@@ -386,23 +444,32 @@ fn add_store(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
     let mut store = linker.instance("sagabox:plugin/store@0.1.0")?;
     store.func_wrap("get", |mut cx, (ns, key): (String, String)| -> StoreResult<Option<String>> {
         let state = cx.data_mut();
-        state.check_read(&ns)?;
-        Ok((Ok(state.txn.get(&ns, &key).map(|t| t.to_string())),))
+        let got = state.granted().get(&ns, &key).map(|t| t.map(|t| t.to_string()));
+        state.answer(got)
     })?;
     store.func_wrap("put", |mut cx, (ns, key, doc): (String, String, String)| -> StoreResult<()> {
-        cx.data_mut().check_write(&ns)?;
+        // A write's grant is checked before an armed fault fires at it.
+        if let Err(refusal) = cx.data_mut().granted().check_write(&ns) {
+            return cx.data_mut().answer(Err(refusal));
+        }
         fire_armed(&mut cx)?;
-        Ok((cx.data_mut().txn.put(&ns, &key, &doc).map_err(store_error),))
+        let state = cx.data_mut();
+        let put = state.granted().put(&ns, &key, &doc);
+        state.answer(put)
     })?;
     store.func_wrap("delete", |mut cx, (ns, key): (String, String)| -> StoreResult<bool> {
-        cx.data_mut().check_write(&ns)?;
+        if let Err(refusal) = cx.data_mut().granted().check_write(&ns) {
+            return cx.data_mut().answer(Err(refusal));
+        }
         fire_armed(&mut cx)?;
-        Ok((cx.data_mut().txn.delete(&ns, &key).map_err(store_error),))
+        let state = cx.data_mut();
+        let deleted = state.granted().delete(&ns, &key);
+        state.answer(deleted)
     })?;
     store.func_wrap("list", |mut cx, (ns, prefix): (String, String)| -> StoreResult<Vec<String>> {
         let state = cx.data_mut();
-        state.check_read(&ns)?;
-        Ok((Ok(state.txn.list(&ns, &prefix)),))
+        let listed = state.granted().list(&ns, &prefix);
+        state.answer(listed)
     })?;
     Ok(())
 }

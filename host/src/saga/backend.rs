@@ -16,6 +16,11 @@ pub enum CommitError {
     Conflict(#[from] Conflict),
     #[error("the state backend failed: {0}")]
     Backend(String),
+    /// A commit under the same idempotency key happened first (another delivery of the same
+    /// call, possibly from another process): this one is dropped, and that one's result
+    /// stands.
+    #[error("already committed under this idempotency key")]
+    AlreadyCommitted(Value),
 }
 
 /// A run's state. A call's writes, its cached result and the journal events that record it
@@ -25,7 +30,9 @@ pub trait Backend: Send + Sync {
     fn snapshot(&self) -> State;
 
     /// Commits `txn` if nothing it read has changed, with `result` cached under its
-    /// idempotency key and `events` appended to the journal.
+    /// idempotency key and `events` appended to the journal. When `result`'s key is already
+    /// cached, nothing is written and the cached output comes back as
+    /// [`CommitError::AlreadyCommitted`]: the check and the write are one atomic step.
     fn commit(&self, txn: &Txn, result: Option<(&str, &Value)>, events: &[Event]) -> Result<Vec<Change>, CommitError>;
 
     /// Appends events that come with no state change.
@@ -33,6 +40,12 @@ pub trait Backend: Send + Sync {
 
     /// The cached result of the call with this idempotency key, if it succeeded before.
     fn cached(&self, key: &str) -> Option<Value>;
+
+    /// Whether commits may block on storage (files, network): the engine then makes them
+    /// off the async workers.
+    fn blocks(&self) -> bool {
+        false
+    }
 }
 
 /// The in-memory backend: a [`MemoryStore`] and a result cache; the journal lives in the
@@ -58,6 +71,9 @@ impl Backend for MemoryBackend {
         // Holding the cache lock across the store commit makes the pair atomic for readers
         // of `cached`.
         let mut results = self.results.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(output) = result.and_then(|(key, _)| results.get(key)) {
+            return Err(CommitError::AlreadyCommitted(output.clone()));
+        }
         let changes = self.store.commit(txn)?;
         if let Some((key, value)) = result {
             results.insert(key.to_string(), value.clone());

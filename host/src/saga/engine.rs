@@ -3,10 +3,17 @@
 //! only after every step that depends on it.
 //!
 //! A step's store writes, its cached result and the journal event recording its completion
-//! commit together (see [`Backend::commit`]), synchronously, right after the call returns:
-//! a run cancelled by the saga's time-out either committed a step or left no trace of it.
+//! commit together (see [`Backend::commit`]), right after the call returns: a run either
+//! committed a step or left no trace of it.
+//!
+//! The saga's time-out is a deadline every forward call carries: a guest running when it
+//! passes is cut there (its writes are dropped), a backoff wait ends there, and no step
+//! starts after it. Compensation then runs without it.
+//!
+//! Scheduling is linear in the saga's size: steps wait on counters of unfinished
+//! dependencies (forward) or uncompensated dependants (backward), never on scans.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -19,12 +26,15 @@ use super::Saga;
 use super::backend::{Backend, CommitError};
 use super::binding::{self, Scope};
 use super::fault::{Fault, FaultPlan, Phase};
-use super::journal::{ErrorInfo, Event, EventKind, JournalSink};
+use super::journal::{DocWrite, ErrorInfo, Event, EventKind, JournalSink};
 use super::plan::{PlannedStep, merge_args};
 use super::report::{CompensationFailure, NetChange, RunReport, Status, StepReport, StepStatus};
 use crate::ids::idempotency_key;
-use crate::runtime::{CallContext, CallError, CallOptions, FailureKind, InjectedFault, MAX_COMMIT_RUNS, Runtime};
-use crate::store::{Change, Txn};
+use crate::runtime::{
+    CallContext, CallError, CallFailure, CallOptions, CommitAttempt, FailureKind, InjectedFault, Runtime,
+};
+use crate::store::Txn;
+use crate::store::undo::{WriteTexts, without_writes};
 
 /// How to run a saga.
 #[derive(Clone)]
@@ -38,6 +48,9 @@ pub struct RunOptions {
     /// Reproducible runs: steps run one at a time in plan order, backoff delays are recorded
     /// but not slept, and plugins see clocks and randomness derived from the seed.
     pub deterministic: bool,
+    /// Record backoff delays without sleeping them (implied by `deterministic`): for
+    /// campaigns, whose verdicts do not depend on how long a retry waited.
+    pub virtual_backoff: bool,
     /// Steps (or compensations) in flight at once.
     pub max_concurrency: usize,
     /// Where events go as they happen (a JSON Lines file).
@@ -56,6 +69,7 @@ impl RunOptions {
             input,
             faults: FaultPlan::none(),
             deterministic: false,
+            virtual_backoff: false,
             max_concurrency: 8,
             journal: None,
             resume: Vec::new(),
@@ -70,31 +84,63 @@ struct StepFailure {
     error: ErrorInfo,
 }
 
-/// A forward step that committed (or may have: `output` is `None` when its reply was lost).
+/// A forward step that committed, or may have (`lost`: its reply was lost). Its output, when
+/// it has one, is in [`Progress::outputs`].
 #[derive(Clone, Debug)]
 struct Completed {
     args: Value,
-    output: Option<Value>,
     key: String,
+    lost: bool,
 }
 
-/// What the forward phase learned; kept outside the forward future so that a time-out,
-/// which drops that future, loses nothing.
-#[derive(Default)]
+/// What the run has learned so far.
 struct Progress {
     /// Completed (or uncertain) steps in completion order.
     completed: Vec<(usize, Completed)>,
+    /// Whether each step is in `completed`.
+    done: Vec<bool>,
+    /// Outputs of the completed steps, by step id: what `$.steps.<id>` bindings read.
+    outputs: BTreeMap<String, Value>,
     status: BTreeMap<usize, StepStatus>,
     attempts: BTreeMap<(usize, Phase), u32>,
     failure: Option<StepFailure>,
+    /// The saga's deadline passed before every step completed.
+    timed_out: bool,
     /// A resumed run whose compensation had begun: why it began.
     compensating: Option<ErrorInfo>,
     /// Steps compensated in an earlier life of a resumed run, in order.
     compensated_before: Vec<usize>,
 }
 
-/// `(namespace, key)`.
-type DocKey = (String, String);
+impl Progress {
+    fn new(steps: usize) -> Progress {
+        Progress {
+            completed: Vec::new(),
+            done: vec![false; steps],
+            outputs: BTreeMap::new(),
+            status: BTreeMap::new(),
+            attempts: BTreeMap::new(),
+            failure: None,
+            timed_out: false,
+            compensating: None,
+            compensated_before: Vec::new(),
+        }
+    }
+
+    /// Records a step that committed (`output: None` when its reply was lost).
+    fn complete(&mut self, index: usize, id: &str, completed: Completed, output: Option<Value>) {
+        if self.done[index] {
+            return;
+        }
+        self.done[index] = true;
+        let status = if completed.lost { StepStatus::Uncertain } else { StepStatus::Completed };
+        self.status.insert(index, status);
+        if let Some(output) = output {
+            self.outputs.insert(id.to_string(), output);
+        }
+        self.completed.push((index, completed));
+    }
+}
 
 /// One run in progress.
 struct Run<'a> {
@@ -103,10 +149,23 @@ struct Run<'a> {
     backend: &'a dyn Backend,
     options: RunOptions,
     started: Instant,
+    /// When the saga's time runs out (`None`: no time-out).
+    deadline: Option<Instant>,
+    /// Whether calls may be in flight together (a DAG run with concurrency): each then runs
+    /// in a task of its own, so branches use every worker.
+    parallel: bool,
     events: Mutex<Vec<Event>>,
     progress: Mutex<Progress>,
-    /// The value each key had before this run first changed it.
-    touched: Mutex<BTreeMap<DocKey, Option<Arc<str>>>>,
+}
+
+/// One call the run makes: a step's action or its compensator.
+struct Call<'a> {
+    step: &'a PlannedStep,
+    phase: Phase,
+    tool: &'a str,
+    side_effects: bool,
+    args: &'a Value,
+    key: &'a str,
 }
 
 /// What one attempt of a call came to.
@@ -117,22 +176,31 @@ enum Attempt {
     /// The call committed but its reply was lost (an injected fault).
     Lost,
     Failed(ErrorInfo),
+    /// The saga's deadline passed before or while it ran; it wrote nothing.
+    TimedOut,
 }
 
 /// Runs `saga` on `backend`. Never panics on plugin or input behaviour: every failure ends
 /// in a report.
 pub async fn run(runtime: &Runtime, saga: &Saga, backend: &dyn Backend, options: RunOptions) -> RunReport {
     let span = tracing::info_span!("saga", saga = %saga.name, run_id = %options.run_id);
+    let mut options = options;
+    if let Some(faults) = recorded_faults(&options.resume) {
+        // A resumed run suffers the faults it was started with (a campaign's or `--fault`'s).
+        options.faults = faults;
+    }
     let prior = options.resume.clone();
+    let started = Instant::now();
     let run = Run {
         runtime,
         saga,
         backend,
+        deadline: saga.plan.timeout.and_then(|t| started.checked_add(t)),
+        parallel: !options.deterministic && options.max_concurrency > 1 && saga.plan.has_branches(),
         options,
-        started: Instant::now(),
+        started,
         events: Mutex::new(prior),
-        progress: Mutex::default(),
-        touched: Mutex::default(),
+        progress: Mutex::new(Progress::new(saga.plan.steps.len())),
     };
     run.execute().instrument(span).await
 }
@@ -150,49 +218,86 @@ impl Run<'_> {
         if self.options.deterministic { 1 } else { self.options.max_concurrency.max(1) }
     }
 
+    fn past_deadline(&self) -> bool {
+        self.deadline.is_some_and(|d| Instant::now() >= d)
+    }
+
+    /// Whether the forward phase must start nothing more.
+    fn stopping(&self) -> bool {
+        let progress = lock(&self.progress);
+        progress.failure.is_some() || progress.timed_out
+    }
+
+    /// Runs `f`, which may block on the backend's storage, off the async workers.
+    fn blocking<R>(&self, f: impl FnOnce() -> R) -> R {
+        let multi_thread = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        if self.backend.blocks() && multi_thread { tokio::task::block_in_place(f) } else { f() }
+    }
+
     /// Stamps and records events that come with no state change.
     fn emit(&self, event: Event) {
-        if let Err(e) = self.append(vec![event], |events| self.backend.record(events).map(|_| Vec::new())) {
+        let recorded = self.append(vec![event], |events| self.backend.record(events));
+        if let Err(e) = recorded {
             tracing::error!("cannot record a journal event: {e}");
         }
     }
 
     /// Stamps `events`, hands them to `commit` (which stores them with whatever else it
-    /// commits), and on success adds them to the run's journal.
+    /// commits), and on success adds them to the run's journal. The journal's lock is held
+    /// across the commit so that events are numbered in commit order, without gaps.
     fn append(
         &self,
         mut events: Vec<Event>,
-        commit: impl FnOnce(&[Event]) -> Result<Vec<Change>, CommitError>,
-    ) -> Result<Vec<Change>, CommitError> {
-        let mut log = lock(&self.events);
-        let at_us = self.started.elapsed().as_micros() as u64;
-        for (i, event) in events.iter_mut().enumerate() {
-            event.seq = (log.len() + i) as u64;
-            event.run_id = self.options.run_id.clone();
-            event.at_us = at_us;
-        }
-        let changes = commit(&events)?;
-        if let Some(sink) = &self.options.journal {
-            sink.append(&events);
-        }
-        log.extend(events);
-        Ok(changes)
+        commit: impl FnOnce(&[Event]) -> Result<(), CommitError>,
+    ) -> Result<(), CommitError> {
+        self.blocking(|| {
+            let mut log = lock(&self.events);
+            let at_us = self.started.elapsed().as_micros() as u64;
+            for (i, event) in events.iter_mut().enumerate() {
+                event.seq = (log.len() + i) as u64;
+                event.run_id = self.options.run_id.clone();
+                event.at_us = at_us;
+            }
+            commit(&events)?;
+            if let Some(sink) = &self.options.journal {
+                sink.append(&events);
+            }
+            log.extend(events);
+            Ok(())
+        })
     }
 
-    /// Commits a call's writes with its events and cached result, remembering what it changed.
-    fn commit(&self, txn: &Txn, result: Option<(&str, &Value)>, events: Vec<Event>) -> Result<(), CommitError> {
-        let changes = self.append(events, |events| self.backend.commit(txn, result, events))?;
-        let mut touched = lock(&self.touched);
-        for change in changes {
-            touched.entry((change.namespace, change.key)).or_insert(change.before);
+    /// Commits a call's writes with its events and cached result. The documents it writes
+    /// ride on the first event, so the journal holds every effect of the run (its net
+    /// changes are computed from there, earlier lives included).
+    fn commit(&self, txn: &Txn, result: Option<(&str, &Value)>, mut events: Vec<Event>) -> Result<(), CommitError> {
+        let writes: Vec<DocWrite> = txn
+            .writes()
+            .filter_map(|(ns, key, after)| {
+                // What the call saw; exact for every document it read (the commit validates those).
+                let before = txn.base().get(ns, key).map(|d| d.text.clone());
+                (before.as_deref() != after.map(|a| &**a)).then(|| DocWrite {
+                    ns: ns.to_string(),
+                    key: key.to_string(),
+                    before: before.map(|t| t.to_string()),
+                    after: after.map(|t| t.to_string()),
+                })
+            })
+            .collect();
+        if let Some(first) = events.first_mut() {
+            first.writes = writes;
         }
-        Ok(())
+        self.append(events, |events| self.backend.commit(txn, result, events).map(drop))
     }
 
-    /// A number in [0, 1) fixed by the seed, the step, the phase and the attempt.
+    /// A number in [0, 1) fixed by the seed, the run, the step, the phase and the attempt:
+    /// runs of one saga do not back off in lockstep.
     fn draw(&self, step: &str, phase: Phase, attempt: u32) -> f64 {
         let mut hasher = Sha256::new();
         hasher.update(self.options.seed.to_le_bytes());
+        hasher.update(self.options.run_id.as_bytes());
+        hasher.update([0]);
         hasher.update(step.as_bytes());
         hasher.update([phase as u8]);
         hasher.update(attempt.to_le_bytes());
@@ -210,15 +315,12 @@ impl Run<'_> {
                 continue;
             };
             match event.event {
-                EventKind::StepCompleted if !lock(&self.progress).completed.iter().any(|(i, _)| *i == index) => {
-                    // Arguments are bound again: binding is deterministic given the input and
-                    // the outputs of the steps completed before.
-                    let args = self.bind(step).unwrap_or(Value::Null);
-                    let key = event.idempotency_key.clone().unwrap_or_default();
-                    let mut progress = lock(&self.progress);
-                    progress.status.insert(index, StepStatus::Completed);
-                    progress.attempts.insert((index, Phase::Action), event.attempt.unwrap_or(1));
-                    progress.completed.push((index, Completed { args, output: event.data.clone(), key }));
+                EventKind::StepCompleted => self.restore_completed(index, step, event, false),
+                EventKind::StepFailed if event.error.as_ref().is_some_and(|e| e.code == LOST_RESPONSE) => {
+                    // The effect committed with this record; only the reply was lost.
+                    self.restore_completed(index, step, event, true);
+                    let error = event.error.clone().unwrap_or_else(|| lost_response(&step.tool));
+                    lock(&self.progress).failure.get_or_insert(StepFailure { step: index, error });
                 }
                 EventKind::StepFailed => {
                     let error = event.error.clone().unwrap_or_else(|| ErrorInfo {
@@ -242,7 +344,22 @@ impl Run<'_> {
         }
     }
 
-    async fn execute(&self) -> RunReport {
+    fn restore_completed(&self, index: usize, step: &PlannedStep, event: &Event, lost: bool) {
+        if lock(&self.progress).done[index] {
+            return;
+        }
+        // Arguments are bound again: binding is deterministic given the input and the
+        // outputs of the steps completed before.
+        let args = self.bind(step).unwrap_or(Value::Null);
+        let key = event.idempotency_key.clone().unwrap_or_default();
+        let output = if lost { None } else { event.data.clone() };
+        let mut progress = lock(&self.progress);
+        progress.attempts.insert((index, Phase::Action), event.attempt.unwrap_or(1));
+        progress.complete(index, &step.id, Completed { args, key, lost }, output);
+    }
+
+    /// Records the run's start, or rebuilds an interrupted run and records its resumption.
+    fn begin(&self) {
         if self.options.resume.is_empty() {
             self.emit(Event::new(EventKind::SagaStarted).data(json!({
                 "saga": self.saga.name,
@@ -250,53 +367,37 @@ impl Run<'_> {
                 "input": self.options.input,
                 "faults": self.options.faults,
             })));
-        } else {
-            self.restore();
-            let progress = lock(&self.progress);
-            let done: Vec<&str> = progress.completed.iter().map(|(i, _)| self.step(*i).id.as_str()).collect();
-            let event = Event::new(EventKind::SagaResumed).data(json!({ "completed": done }));
-            drop(progress);
-            self.emit(event);
+            return;
         }
+        self.restore();
+        let done: Vec<String> = lock(&self.progress).completed.iter().map(|(i, _)| self.step(*i).id.clone()).collect();
+        self.emit(Event::new(EventKind::SagaResumed).data(json!({ "completed": done })));
+    }
+
+    async fn execute(&self) -> RunReport {
+        self.begin();
         // A resumed run that had already failed goes straight to compensation.
         let decided = {
             let progress = lock(&self.progress);
             progress.compensating.is_some() || progress.failure.is_some()
         };
-        let forward = self.forward();
-        let timed_out = match self.saga.plan.timeout {
-            _ if decided => false,
-            Some(limit) => tokio::time::timeout(limit, forward).await.is_err(),
-            None => {
-                forward.await;
-                false
-            }
-        };
-        let (failure, completed) = {
-            let mut progress = lock(&self.progress);
-            if timed_out {
-                // Steps the time-out interrupted wrote nothing: their writes were never committed.
-                for i in 0..self.saga.plan.steps.len() {
-                    if progress.attempts.contains_key(&(i, Phase::Action)) && !progress.status.contains_key(&i) {
-                        progress.status.insert(i, StepStatus::Cancelled);
-                    }
-                }
-            }
-            (progress.failure.clone(), progress.completed.clone())
-        };
-
-        let mut error = lock(&self.progress).compensating.clone().or_else(|| failure.as_ref().map(|f| f.error.clone()));
-        if timed_out {
-            let limit = self.saga.plan.timeout.unwrap_or_default();
-            error = Some(ErrorInfo {
-                code: "saga_timeout".into(),
-                kind: FailureKind::Contained,
-                message: format!("the saga did not finish within {} ms", limit.as_millis()),
-            });
+        if !decided {
+            self.forward().await;
         }
+        let (error, failure, completed) = {
+            let progress = lock(&self.progress);
+            let failure = progress.failure.clone();
+            let error = progress
+                .compensating
+                .clone()
+                .or_else(|| failure.as_ref().map(|f| f.error.clone()))
+                .or_else(|| progress.timed_out.then(|| self.timeout_error()));
+            (error, failure, progress.completed.clone())
+        };
         let mut output = None;
+        let mut error = error;
         if error.is_none() {
-            match self.saga_output(&completed) {
+            match self.saga_output() {
                 Ok(value) => output = value,
                 Err(e) => error = Some(e),
             }
@@ -307,11 +408,11 @@ impl Run<'_> {
         if let Some(error) = &error {
             (compensated, compensation_failures) = self.compensate(&completed, error).await;
         }
-        let status = match (&error, timed_out, compensation_failures.is_empty()) {
-            (None, _, _) => Status::Completed,
-            (Some(_), _, false) => Status::CompensationFailed,
-            (Some(_), true, true) => Status::TimedOut,
-            (Some(_), false, true) => Status::Failed,
+        let status = match &error {
+            None => Status::Completed,
+            Some(_) if !compensation_failures.is_empty() => Status::CompensationFailed,
+            Some(e) if e.code == SAGA_TIMEOUT => Status::TimedOut,
+            Some(_) => Status::Failed,
         };
         let (changes, residue) = self.net_changes(status);
         self.emit(Event::new(EventKind::SagaFinished).data(json!({
@@ -337,66 +438,75 @@ impl Run<'_> {
         }
     }
 
-    /// Runs forward steps as their dependencies complete, until all completed or one failed
-    /// (in-flight steps then finish, and are compensated if they completed).
+    fn timeout_error(&self) -> ErrorInfo {
+        let limit = self.saga.plan.timeout.unwrap_or_default();
+        ErrorInfo {
+            code: SAGA_TIMEOUT.into(),
+            kind: FailureKind::Contained,
+            message: format!("the saga did not finish within {} ms", limit.as_millis()),
+        }
+    }
+
+    /// Runs forward steps as their dependencies complete, until all completed, one failed
+    /// or the deadline passed (steps in flight then finish, and are compensated if they
+    /// completed).
     async fn forward(&self) {
-        let n = self.saga.plan.steps.len();
-        let restored: BTreeSet<usize> = lock(&self.progress).completed.iter().map(|(i, _)| *i).collect();
-        let mut launched: Vec<bool> = (0..n).map(|i| restored.contains(&i)).collect();
+        let plan = &self.saga.plan;
+        let (mut waiting, mut ready) = {
+            let progress = lock(&self.progress);
+            let waiting: Vec<usize> =
+                plan.steps.iter().map(|s| s.deps.iter().filter(|&&d| !progress.done[d]).count()).collect();
+            let ready: BTreeSet<usize> =
+                (0..plan.steps.len()).filter(|&i| !progress.done[i] && waiting[i] == 0).collect();
+            (waiting, ready)
+        };
         let mut running = FuturesUnordered::new();
         loop {
-            let failed = lock(&self.progress).failure.is_some();
-            if !failed {
-                let done: BTreeSet<usize> = lock(&self.progress).completed.iter().map(|(i, _)| *i).collect();
-                for (i, started) in launched.iter_mut().enumerate() {
-                    if running.len() >= self.concurrency() {
-                        break;
-                    }
-                    if !*started && self.step(i).deps.iter().all(|d| done.contains(d)) {
-                        *started = true;
-                        running.push(self.forward_step(i));
+            while running.len() < self.concurrency() && !self.stopping() {
+                let Some(i) = ready.pop_first() else { break };
+                if self.past_deadline() {
+                    lock(&self.progress).timed_out = true;
+                    break;
+                }
+                running.push(async move { (i, self.forward_step(i).await) });
+            }
+            let Some((i, completed)) = running.next().await else { break };
+            if completed {
+                for &j in plan.dependants(i) {
+                    waiting[j] -= 1;
+                    if waiting[j] == 0 {
+                        ready.insert(j);
                     }
                 }
-            }
-            if running.next().await.is_none() {
-                break;
             }
         }
     }
 
-    /// Binds, calls (with retries) and records one forward step.
-    async fn forward_step(&self, index: usize) {
+    /// Binds, calls (with retries) and records one forward step; whether it completed.
+    async fn forward_step(&self, index: usize) -> bool {
         let step = self.step(index);
         let span = tracing::info_span!("step", step = %step.id, tool = %step.tool);
-        async {
-            let outcome = self.forward_attempts(index).await;
-            let mut progress = lock(&self.progress);
-            match outcome {
-                Ok(()) => {}
-                Err(failure) => {
-                    progress.failure.get_or_insert(failure);
-                }
-            }
-        }
-        .instrument(span)
-        .await
+        self.forward_attempts(index, step).instrument(span).await
     }
 
-    async fn forward_attempts(&self, index: usize) -> Result<(), StepFailure> {
-        let step = self.step(index);
-        let fail = |error: ErrorInfo| {
-            lock(&self.progress).status.insert(index, StepStatus::Failed);
-            self.emit(Event::new(EventKind::StepFailed).step(&step.id, &step.tool).error(error.clone()));
-            Err(StepFailure { step: index, error })
-        };
+    async fn forward_attempts(&self, index: usize, step: &PlannedStep) -> bool {
         let args = match self.bind(step) {
             Ok(args) => args,
             Err(message) => {
                 lock(&self.progress).attempts.insert((index, Phase::Action), 0);
-                return fail(ErrorInfo { code: "binding".into(), kind: FailureKind::InvalidInput, message });
+                self.fail(index, ErrorInfo { code: "binding".into(), kind: FailureKind::InvalidInput, message });
+                return false;
             }
         };
         let key = idempotency_key(&self.options.run_id, &step.id, &step.tool, &args);
+        let call = Call {
+            step,
+            phase: Phase::Action,
+            tool: &step.tool,
+            side_effects: step.side_effects,
+            args: &args,
+            key: &key,
+        };
         let fault = self.options.faults.get(&step.id, Phase::Action);
         let mut attempt = 0;
         loop {
@@ -405,250 +515,306 @@ impl Run<'_> {
             self.emit(
                 Event::new(EventKind::StepStarted).step(&step.id, &step.tool).attempt(attempt, &key).data(args.clone()),
             );
-            let completed_event =
-                Event::new(EventKind::StepCompleted).step(&step.id, &step.tool).attempt(attempt, &key);
-            match self.attempt(step, Phase::Action, attempt, &args, &key, fault, completed_event.clone()).await {
+            let outcome = self.attempt(&call, attempt, fault).await;
+            match outcome {
                 Attempt::Delivered { output } => {
-                    // Recorded before anything else is awaited: a saga time-out that drops
-                    // this future must still find the committed step to compensate.
-                    let completed = Completed { args: args.clone(), output: Some(output), key: key.clone() };
-                    {
-                        let mut progress = lock(&self.progress);
-                        progress.status.insert(index, StepStatus::Completed);
-                        progress.completed.push((index, completed));
-                    }
+                    let completed = Completed { args: args.clone(), key: key.clone(), lost: false };
+                    lock(&self.progress).complete(index, &step.id, completed, Some(output));
                     if fault == Some(Fault::Repeat) {
                         // A second delivery of the same call must not apply it again.
-                        self.attempt(step, Phase::Action, attempt, &args, &key, None, completed_event).await;
+                        self.attempt(&call, attempt, None).await;
                     }
-                    return Ok(());
+                    return true;
                 }
                 Attempt::Lost => {
-                    let error = ErrorInfo {
-                        code: "lost_response".into(),
-                        kind: FailureKind::Transient,
-                        message: format!("{}: the reply was lost; the effect may have been applied", step.tool),
-                    };
+                    // Its effect committed with a `lost_response` failure record: compensate it.
                     let mut progress = lock(&self.progress);
-                    progress.status.insert(index, StepStatus::Uncertain);
-                    progress.completed.push((index, Completed { args, output: None, key }));
-                    drop(progress);
-                    self.emit(Event::new(EventKind::StepFailed).step(&step.id, &step.tool).error(error.clone()));
-                    return Err(StepFailure { step: index, error });
+                    progress.complete(index, &step.id, Completed { args, key, lost: true }, None);
+                    let error = lost_response(&step.tool);
+                    progress.failure.get_or_insert(StepFailure { step: index, error });
+                    return false;
+                }
+                Attempt::TimedOut => {
+                    self.cancel(index);
+                    return false;
                 }
                 Attempt::Failed(error) => {
                     if error.kind == FailureKind::Transient && attempt < step.retry.max_attempts {
-                        self.backoff(step, Phase::Action, attempt, &error).await;
-                        continue;
+                        if self.backoff(&call, attempt, &error).await {
+                            continue;
+                        }
+                        self.cancel(index);
+                        return false;
                     }
-                    return fail(error);
+                    self.fail(index, error);
+                    return false;
                 }
             }
         }
     }
 
-    /// Waits before the next attempt (or, in deterministic runs, only records the delay).
-    async fn backoff(&self, step: &PlannedStep, phase: Phase, attempt: u32, error: &ErrorInfo) {
-        let policy = match phase {
-            Phase::Action => &step.retry,
-            Phase::Compensation => &self.saga.plan.compensation_retry,
+    /// Records a forward step's failure.
+    fn fail(&self, index: usize, error: ErrorInfo) {
+        let step = self.step(index);
+        {
+            let mut progress = lock(&self.progress);
+            progress.status.insert(index, StepStatus::Failed);
+            progress.failure.get_or_insert(StepFailure { step: index, error: error.clone() });
+        }
+        self.emit(Event::new(EventKind::StepFailed).step(&step.id, &step.tool).error(error));
+    }
+
+    /// Records a forward step the saga's deadline stopped; it wrote nothing.
+    fn cancel(&self, index: usize) {
+        let mut progress = lock(&self.progress);
+        progress.status.insert(index, StepStatus::Cancelled);
+        progress.timed_out = true;
+    }
+
+    /// Waits before the next attempt (in deterministic runs, only records the delay).
+    /// `false` when the saga's deadline cut the wait short.
+    async fn backoff(&self, call: &Call<'_>, attempt: u32, error: &ErrorInfo) -> bool {
+        let step = call.step;
+        let (policy, kind) = match call.phase {
+            Phase::Action => (&step.retry, EventKind::StepRetried),
+            Phase::Compensation => (&self.saga.plan.compensation_retry, EventKind::CompensationRetried),
         };
-        let delay = policy.delay(attempt, self.draw(&step.id, phase, attempt));
-        let kind = match phase {
-            Phase::Action => EventKind::StepRetried,
-            Phase::Compensation => EventKind::CompensationRetried,
-        };
-        let tool = match phase {
-            Phase::Action => step.tool.as_str(),
-            Phase::Compensation => step.compensator.as_ref().map_or("", |c| c.tool.as_str()),
-        };
+        let delay = policy.delay(attempt, self.draw(&step.id, call.phase, attempt));
         self.emit(
             Event::new(kind)
-                .step(&step.id, tool)
+                .step(&step.id, call.tool)
                 .error(error.clone())
                 .data(json!({ "attempt": attempt, "delay_ms": delay.as_millis() as u64 })),
         );
-        if !self.options.deterministic {
-            tokio::time::sleep(delay).await;
+        if self.options.deterministic || self.options.virtual_backoff {
+            return true;
         }
-    }
-
-    /// The outputs of completed steps, by id.
-    fn outputs(&self) -> BTreeMap<String, Value> {
-        lock(&self.progress)
-            .completed
-            .iter()
-            .filter_map(|(i, c)| c.output.clone().map(|o| (self.step(*i).id.clone(), o)))
-            .collect()
+        match self.deadline.filter(|_| call.phase == Phase::Action) {
+            Some(deadline) if Instant::now() + delay >= deadline => {
+                tokio::time::sleep_until(deadline.into()).await;
+                false
+            }
+            _ => {
+                tokio::time::sleep(delay).await;
+                true
+            }
+        }
     }
 
     /// The arguments of a forward step: its input bindings resolved and merged over its
     /// resolved action arguments.
     fn bind(&self, step: &PlannedStep) -> Result<Value, String> {
-        let steps = self.outputs();
-        let scope = Scope { input: &self.options.input, steps: &steps };
+        let progress = lock(&self.progress);
+        let scope = Scope { input: &self.options.input, steps: &progress.outputs };
         let arguments = binding::resolve(&step.arguments, &scope).map_err(|e| e.to_string())?;
         let input = step.input.as_ref().map(|i| binding::resolve(i, &scope)).transpose().map_err(|e| e.to_string())?;
         merge_args(arguments, input)
     }
 
     /// One delivery of a call: a synthesized failure if the fault says so, a replay if the
-    /// result is cached, else a real sandboxed call committed with `completed_event`.
-    #[allow(clippy::too_many_arguments)]
-    async fn attempt(
-        &self,
-        step: &PlannedStep,
-        phase: Phase,
-        attempt: u32,
-        args: &Value,
-        key: &str,
-        fault: Option<Fault>,
-        completed_event: Event,
-    ) -> Attempt {
-        let (tool, side_effects) = match phase {
-            Phase::Action => (step.tool.as_str(), step.side_effects),
-            Phase::Compensation => (step.compensator.as_ref().map_or("", |c| c.tool.as_str()), true),
-        };
-        let synthesized = |code: &str, kind: FailureKind, message: String| {
-            Attempt::Failed(ErrorInfo { code: code.into(), kind, message: format!("{tool}: {message}") })
-        };
-        match fault {
-            Some(Fault::Rejected) => {
-                return synthesized("rejected", FailureKind::Rejected, "rejected: injected fault".into());
-            }
-            Some(Fault::Transient { failures }) if attempt <= failures => {
-                let message = format!("transient failure: injected fault ({attempt} of {failures})");
-                return synthesized("transient", FailureKind::Transient, message);
-            }
-            Some(Fault::Permanent) => {
-                return synthesized("transient", FailureKind::Transient, "failure: injected permanent fault".into());
-            }
-            _ => {}
+    /// result is cached, else a real sandboxed call, committed.
+    async fn attempt(&self, call: &Call<'_>, attempt: u32, fault: Option<Fault>) -> Attempt {
+        if let Some(failure) = synthesized_failure(call, attempt, fault) {
+            return failure;
         }
-        let started = Instant::now();
-        if side_effects && let Some(output) = self.backend.cached(key) {
-            let mut event = completed_event;
-            event.replayed = Some(true);
-            event.duration_us = Some(started.elapsed().as_micros() as u64);
-            self.emit(event.data(output.clone()));
+        if let Some(output) = self.replay(call, attempt) {
             return Attempt::Delivered { output };
         }
-        let injected = match fault {
+        if call.phase == Phase::Action && self.past_deadline() {
+            return Attempt::TimedOut;
+        }
+        let options = self.call_options(call, attempt, fault);
+        self.invoke_and_commit(call, attempt, &options, fault == Some(Fault::LostResponse)).await
+    }
+
+    /// The event that records a delivery of `call`.
+    fn delivered_event(&self, call: &Call<'_>, attempt: u32) -> Event {
+        let kind = match call.phase {
+            Phase::Action => EventKind::StepCompleted,
+            Phase::Compensation => EventKind::CompensationCompleted,
+        };
+        Event::new(kind).step(&call.step.id, call.tool).attempt(attempt, call.key)
+    }
+
+    /// The cached result of a call that already took effect, recorded as a replay.
+    fn replay(&self, call: &Call<'_>, attempt: u32) -> Option<Value> {
+        if !call.side_effects {
+            return None;
+        }
+        let output = self.blocking(|| self.backend.cached(call.key))?;
+        self.record_replay(call, attempt, &output);
+        Some(output)
+    }
+
+    fn record_replay(&self, call: &Call<'_>, attempt: u32, output: &Value) {
+        let mut event = self.delivered_event(call, attempt);
+        event.replayed = Some(true);
+        event.duration_us = Some(0);
+        self.emit(event.data(output.clone()));
+    }
+
+    fn call_options(&self, call: &Call<'_>, attempt: u32, fault: Option<Fault>) -> CallOptions {
+        let mut limits = call.step.limits.clone();
+        if let Some(timeout) = call.step.timeout {
+            limits.deadline_ms = Some(timeout.as_millis().max(1) as u64);
+        }
+        let fault = match fault {
             Some(Fault::Trap) => Some(InjectedFault::Trap),
             Some(Fault::Fuel) => Some(InjectedFault::Fuel),
             Some(Fault::Timeout) => Some(InjectedFault::Deadline),
             _ => None,
         };
-        let mut limits = step.limits.clone();
-        if let Some(timeout) = step.timeout {
-            limits.deadline_ms = Some(timeout.as_millis().max(1) as u64);
-        }
-        let options = CallOptions {
+        let deterministic = self.options.deterministic;
+        CallOptions {
             context: CallContext {
                 saga_id: self.options.run_id.clone(),
-                step_id: step.id.clone(),
+                step_id: call.step.id.clone(),
                 attempt,
-                idempotency_key: key.to_string(),
+                idempotency_key: call.key.to_string(),
             },
             limits,
-            fault: injected,
-            seed: self
-                .options
-                .deterministic
-                .then(|| self.options.seed ^ (self.draw(&step.id, phase, attempt) * 1e18) as u64),
-        };
-        let lost = fault == Some(Fault::LostResponse);
-        for _ in 0..MAX_COMMIT_RUNS {
-            let invocation = self.runtime.invoke(tool, args, &options, self.backend.snapshot()).await;
-            let output = match invocation.result {
-                Ok(output) => output,
-                Err(error) => return Attempt::Failed(ErrorInfo::from(&error)),
-            };
-            // A lost reply: the effect commits, but nothing records or caches it.
-            let (events, result) = if lost {
-                (Vec::new(), None)
-            } else {
-                let mut event = completed_event.clone();
-                event.replayed = Some(false);
-                event.duration_us = Some(started.elapsed().as_micros() as u64);
-                (vec![event.data(output.clone())], side_effects.then_some((key, &output)))
-            };
-            match self.commit(&invocation.txn, result, events) {
-                Ok(()) if lost => return Attempt::Lost,
-                Ok(()) => return Attempt::Delivered { output },
-                Err(CommitError::Conflict(c)) => tracing::debug!(%c, "commit conflict; running the call again"),
-                Err(e @ CommitError::Backend(_)) => {
-                    return Attempt::Failed(ErrorInfo::from(&CallError::Host {
-                        tool: tool.into(),
-                        reason: e.to_string(),
-                    }));
-                }
-            }
+            fault,
+            seed: deterministic
+                .then(|| self.options.seed ^ (self.draw(&call.step.id, call.phase, attempt) * 1e18) as u64),
+            // Compensation runs after the deadline: it is what the time-out asks for.
+            deadline: self.deadline.filter(|_| call.phase == Phase::Action),
+            parallel: self.parallel,
         }
-        let message = format!("its reads kept changing under it ({MAX_COMMIT_RUNS} runs)");
-        synthesized("transient", FailureKind::Transient, message)
+    }
+
+    /// Runs the call and commits its writes with the event that records it (a lost reply
+    /// commits its effect with a `lost_response` failure record and caches nothing).
+    async fn invoke_and_commit(&self, call: &Call<'_>, attempt: u32, options: &CallOptions, lost: bool) -> Attempt {
+        let started = Instant::now();
+        let record = |output: &Value| -> Event {
+            if lost {
+                // The key names the effect for the compensator of a resumed run.
+                let kind = match call.phase {
+                    Phase::Action => EventKind::StepFailed,
+                    Phase::Compensation => EventKind::CompensationUncertain,
+                };
+                let event = Event::new(kind).step(&call.step.id, call.tool);
+                return event.attempt(attempt, call.key).error(lost_response(call.tool));
+            }
+            let mut event = self.delivered_event(call, attempt);
+            event.replayed = Some(false);
+            event.duration_us = Some(started.elapsed().as_micros() as u64);
+            event.data(output.clone())
+        };
+        let committed = self
+            .runtime
+            .call_and_commit(
+                call.tool,
+                call.args,
+                options,
+                || self.blocking(|| self.backend.snapshot()),
+                |invocation, output| {
+                    let result = (call.side_effects && !lost).then_some((call.key, output));
+                    match self.commit(&invocation.txn, result, vec![record(output)]) {
+                        Ok(()) => CommitAttempt::Committed(()),
+                        Err(CommitError::Conflict(conflict)) => CommitAttempt::Conflict(conflict),
+                        Err(e) => CommitAttempt::Failed(e),
+                    }
+                },
+            )
+            .await;
+        match committed.result {
+            Ok(_) if lost => Attempt::Lost,
+            Ok((output, ())) => Attempt::Delivered { output },
+            Err(CallFailure::Commit(CommitError::AlreadyCommitted(output))) => {
+                // Another delivery of the same call got in first: its result stands.
+                self.record_replay(call, attempt, &output);
+                Attempt::Delivered { output }
+            }
+            Err(CallFailure::Commit(e)) => {
+                Attempt::Failed(ErrorInfo::from(&CallError::Host { tool: call.tool.into(), reason: e.to_string() }))
+            }
+            Err(CallFailure::Call(CallError::DeadlineExceeded { .. }))
+                if call.phase == Phase::Action && self.past_deadline() =>
+            {
+                Attempt::TimedOut
+            }
+            Err(CallFailure::Call(e)) => Attempt::Failed(ErrorInfo::from(&e)),
+        }
     }
 
     /// The saga's output bindings, resolved over the completed steps.
-    fn saga_output(&self, completed: &[(usize, Completed)]) -> Result<Option<Value>, ErrorInfo> {
+    fn saga_output(&self) -> Result<Option<Value>, ErrorInfo> {
         let Some(template) = &self.saga.plan.output else { return Ok(None) };
-        let steps: BTreeMap<String, Value> =
-            completed.iter().filter_map(|(i, c)| c.output.clone().map(|o| (self.step(*i).id.clone(), o))).collect();
-        binding::resolve(template, &Scope { input: &self.options.input, steps: &steps }).map(Some).map_err(|e| {
-            ErrorInfo { code: "binding".into(), kind: FailureKind::InvalidInput, message: format!("output: {e}") }
-        })
+        let progress = lock(&self.progress);
+        binding::resolve(template, &Scope { input: &self.options.input, steps: &progress.outputs }).map(Some).map_err(
+            |e| ErrorInfo { code: "binding".into(), kind: FailureKind::InvalidInput, message: format!("output: {e}") },
+        )
     }
 
     /// Compensates every completed (or uncertain) step that has a compensator: in reverse
-    /// completion order, each only after the compensations of the steps that depend on it.
+    /// completion order, each only after the compensations of the completed steps that
+    /// depend on it. A step whose dependant's compensation failed is not compensated (as in
+    /// steno): undoing it could break what that dependant left in place; it stays, and is
+    /// reported in the residue.
     async fn compensate(
         &self,
         completed: &[(usize, Completed)],
         reason: &ErrorInfo,
     ) -> (Vec<String>, Vec<CompensationFailure>) {
         let plan = &self.saga.plan;
-        let order: Vec<usize> =
-            completed.iter().rev().map(|(i, _)| *i).filter(|i| plan.steps[*i].compensator.is_some()).collect();
-        let forward: BTreeMap<usize, &Completed> = completed.iter().map(|(i, c)| (*i, c)).collect();
-        let ids: Vec<&str> = order.iter().map(|i| plan.steps[*i].id.as_str()).collect();
         let (resumed, before) = {
             let progress = lock(&self.progress);
             (progress.compensating.is_some(), progress.compensated_before.clone())
         };
         if !resumed {
+            let ids: Vec<&str> = completed
+                .iter()
+                .rev()
+                .filter(|(i, _)| plan.steps[*i].compensator.is_some())
+                .map(|(i, _)| plan.steps[*i].id.as_str())
+                .collect();
             self.emit(Event::new(EventKind::CompensationTriggered).error(reason.clone()).data(json!({ "steps": ids })));
         }
 
-        let pending: BTreeSet<usize> = order.iter().copied().collect();
-        // Compensations an earlier life of the run finished are not run again.
-        let mut finished: BTreeSet<usize> = before.iter().copied().collect();
-        let mut launched = finished.clone();
-        let mut running = FuturesUnordered::new();
+        // Position of each step in completion order; only completed steps take part.
+        let mut position: Vec<Option<usize>> = vec![None; plan.steps.len()];
+        for (p, (i, _)) in completed.iter().enumerate() {
+            position[*i] = Some(p);
+        }
+        // How many completed dependants each step still waits for.
+        let mut waiting: Vec<usize> = (0..plan.steps.len())
+            .map(|i| plan.dependants(i).iter().filter(|&&j| position[j].is_some()).count())
+            .collect();
+        // The latest completed first.
+        let mut ready: BinaryHeap<usize> =
+            completed.iter().enumerate().filter(|(_, (i, _))| waiting[*i] == 0).map(|(p, _)| p).collect();
+        let finished_before: BTreeSet<usize> = before.iter().copied().collect();
         let mut compensated: Vec<String> = before.iter().map(|i| plan.steps[*i].id.clone()).collect();
         let mut failures = Vec::new();
-        loop {
-            for &i in &order {
-                if running.len() >= self.concurrency() {
-                    break;
-                }
-                // Every compensated dependant, direct or not, goes first.
-                let blocked = plan
-                    .steps
-                    .iter()
-                    .enumerate()
-                    .any(|(j, s)| s.ancestors.contains(&i) && pending.contains(&j) && !finished.contains(&j));
-                if !launched.contains(&i) && !blocked {
-                    launched.insert(i);
-                    let forward = forward[&i];
-                    running.push(async move { (i, self.compensate_step(i, forward).await) });
+        let mut running = FuturesUnordered::new();
+        let release = |i: usize, waiting: &mut Vec<usize>, ready: &mut BinaryHeap<usize>| {
+            for &d in &plan.steps[i].deps {
+                if let Some(p) = position[d] {
+                    waiting[d] -= 1;
+                    if waiting[d] == 0 {
+                        ready.push(p);
+                    }
                 }
             }
+        };
+        loop {
+            while running.len() < self.concurrency() {
+                let Some(p) = ready.pop() else { break };
+                let (i, forward) = &completed[p];
+                if plan.steps[*i].compensator.is_none() || finished_before.contains(i) {
+                    // Nothing to undo (now): its dependencies need not wait for it.
+                    release(*i, &mut waiting, &mut ready);
+                    continue;
+                }
+                running.push(async move { (*i, self.compensate_step(*i, forward).await) });
+            }
             let Some((i, result)) = running.next().await else { break };
-            finished.insert(i);
             let step = &plan.steps[i];
             let status = match result {
                 Ok(()) => {
                     compensated.push(step.id.clone());
+                    release(i, &mut waiting, &mut ready);
                     StepStatus::Compensated
                 }
                 Err(error) => {
@@ -669,6 +835,14 @@ impl Run<'_> {
         let span = tracing::info_span!("compensate", step = %step.id, tool = %compensator.tool);
         let args = self.compensator_args(step, forward);
         let key = idempotency_key(&self.options.run_id, &format!("{}/compensate", step.id), &compensator.tool, &args);
+        let call = Call {
+            step,
+            phase: Phase::Compensation,
+            tool: &compensator.tool,
+            side_effects: true,
+            args: &args,
+            key: &key,
+        };
         let fault = self.options.faults.get(&step.id, Phase::Compensation);
         async {
             let mut attempt = 0;
@@ -678,20 +852,18 @@ impl Run<'_> {
                 let started =
                     Event::new(EventKind::CompensationStarted).step(&step.id, &compensator.tool).attempt(attempt, &key);
                 self.emit(started.data(args.clone()));
-                let done = Event::new(EventKind::CompensationCompleted)
-                    .step(&step.id, &compensator.tool)
-                    .attempt(attempt, &key);
-                match self.attempt(step, Phase::Compensation, attempt, &args, &key, fault, done.clone()).await {
-                    Attempt::Delivered { .. } | Attempt::Lost => {
+                // Compensations carry no deadline, so they never come back `TimedOut`.
+                match self.attempt(&call, attempt, fault).await {
+                    Attempt::Delivered { .. } | Attempt::Lost | Attempt::TimedOut => {
                         if fault == Some(Fault::Repeat) {
-                            self.attempt(step, Phase::Compensation, attempt, &args, &key, None, done).await;
+                            self.attempt(&call, attempt, None).await;
                         }
                         return Ok(());
                     }
                     Attempt::Failed(error) => {
                         let retry = error.kind == FailureKind::Transient;
                         if retry && attempt < self.saga.plan.compensation_retry.max_attempts {
-                            self.backoff(step, Phase::Compensation, attempt, &error).await;
+                            self.backoff(&call, attempt, &error).await;
                             continue;
                         }
                         let failed = Event::new(EventKind::CompensationFailed).step(&step.id, &compensator.tool);
@@ -709,12 +881,10 @@ impl Run<'_> {
     /// output) with the `forward` envelope: the forward arguments, output (null when the
     /// reply was lost) and idempotency key.
     fn compensator_args(&self, step: &PlannedStep, forward: &Completed) -> Value {
-        let mut steps = self.outputs();
-        if let Some(output) = &forward.output {
-            steps.insert(step.id.clone(), output.clone());
-        }
+        let progress = lock(&self.progress);
+        let output = if forward.lost { None } else { progress.outputs.get(&step.id).cloned() };
         let template = step.compensator.as_ref().map_or(Value::Null, |c| c.arguments.clone());
-        let resolved = binding::resolve(&template, &Scope { input: &self.options.input, steps: &steps });
+        let resolved = binding::resolve(&template, &Scope { input: &self.options.input, steps: &progress.outputs });
         let mut args = match resolved {
             Ok(Value::Object(map)) => map,
             Ok(_) => Default::default(),
@@ -729,7 +899,7 @@ impl Run<'_> {
             "forward".into(),
             json!({
                 "arguments": forward.args,
-                "output": forward.output,
+                "output": output,
                 "idempotency_key": forward.key,
             }),
         );
@@ -754,28 +924,38 @@ impl Run<'_> {
             .collect()
     }
 
-    /// This run's net changes, and for `compensation_failed` the residue (ledgers excluded).
+    /// This run's net changes (its own, told apart from other runs' writes to the same
+    /// documents), and for `compensation_failed` the residue (ledgers excluded).
     fn net_changes(&self, status: Status) -> (Vec<NetChange>, Vec<NetChange>) {
-        let now = self.backend.snapshot();
-        let parse = |text: &Option<Arc<str>>| text.as_ref().map(|t| serde_json::from_str(t).unwrap_or(Value::Null));
-        let changes: Vec<NetChange> = lock(&self.touched)
-            .iter()
-            .filter_map(|((ns, key), before)| {
+        let now = self.blocking(|| self.backend.snapshot());
+        let events = lock(&self.events);
+        let mut by_doc: BTreeMap<(&str, &str), Vec<WriteTexts<'_>>> = BTreeMap::new();
+        for write in events.iter().flat_map(|e| &e.writes) {
+            by_doc
+                .entry((&write.ns, &write.key))
+                .or_default()
+                .push(WriteTexts { before: write.before.as_deref(), after: write.after.as_deref() });
+        }
+        let parse = |text: Option<&str>| text.map(|t| serde_json::from_str(t).unwrap_or(Value::Null));
+        let changes: Vec<NetChange> = by_doc
+            .into_iter()
+            .filter_map(|((ns, key), writes)| {
                 let after = now.get(ns, key).map(|d| d.text.clone());
-                if after == *before {
+                let before = without_writes(after.as_deref(), &writes);
+                if before.as_deref() == after.as_deref() {
                     return None;
                 }
-                let change = match (before, &after) {
+                let change = match (&before, &after) {
                     (None, _) => "added",
                     (_, None) => "removed",
                     _ => "changed",
                 };
                 Some(NetChange {
-                    namespace: ns.clone(),
-                    key: key.clone(),
+                    namespace: ns.to_string(),
+                    key: key.to_string(),
                     change: change.into(),
-                    before: parse(before),
-                    after: parse(&after),
+                    before: parse(before.as_deref()),
+                    after: parse(after.as_deref()),
                 })
             })
             .collect();
@@ -786,4 +966,36 @@ impl Run<'_> {
         };
         (changes, residue)
     }
+}
+
+/// The faults an interrupted run was started with, from its `saga_started` record.
+fn recorded_faults(journal: &[Event]) -> Option<FaultPlan> {
+    let started = journal.iter().find(|e| e.event == EventKind::SagaStarted)?;
+    serde_json::from_value(started.data.as_ref()?.get("faults")?.clone()).ok()
+}
+
+const SAGA_TIMEOUT: &str = "saga_timeout";
+const LOST_RESPONSE: &str = "lost_response";
+
+fn lost_response(tool: &str) -> ErrorInfo {
+    ErrorInfo {
+        code: LOST_RESPONSE.into(),
+        kind: FailureKind::Transient,
+        message: format!("{tool}: the reply was lost; the effect may have been applied"),
+    }
+}
+
+/// The failure an injected fault stands for without running the call, if it does.
+fn synthesized_failure(call: &Call<'_>, attempt: u32, fault: Option<Fault>) -> Option<Attempt> {
+    let (code, kind, message) = match fault? {
+        Fault::Rejected => ("rejected", FailureKind::Rejected, "rejected: injected fault".to_string()),
+        Fault::Transient { failures } if attempt <= failures => (
+            "transient",
+            FailureKind::Transient,
+            format!("transient failure: injected fault ({attempt} of {failures})"),
+        ),
+        Fault::Permanent => ("transient", FailureKind::Transient, "failure: injected permanent fault".to_string()),
+        _ => return None,
+    };
+    Some(Attempt::Failed(ErrorInfo { code: code.into(), kind, message: format!("{}: {message}", call.tool) }))
 }

@@ -24,6 +24,9 @@ pub enum EventKind {
     CompensationTriggered,
     CompensationStarted,
     CompensationCompleted,
+    /// A compensator's undo committed but its reply was lost: the undo is taken as done (a
+    /// resumed run runs it again, which finds nothing left to undo).
+    CompensationUncertain,
     CompensationFailed,
     CompensationRetried,
     SagaFinished,
@@ -70,6 +73,19 @@ pub struct Event {
     /// Arguments (started events) or output (completed events).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<Value>,
+    /// The documents the event's commit wrote, before and after: a resumed run reads its
+    /// earlier lives' effects from here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub writes: Vec<DocWrite>,
+}
+
+/// One document a commit wrote (`None`: no document).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DocWrite {
+    pub ns: String,
+    pub key: String,
+    pub before: Option<String>,
+    pub after: Option<String>,
 }
 
 impl Event {
@@ -88,6 +104,7 @@ impl Event {
             replayed: None,
             error: None,
             data: None,
+            writes: Vec::new(),
         }
     }
 

@@ -1,7 +1,7 @@
 //! Validation: a saga definition checked against the loaded plugins and turned into a
 //! [`Plan`] the engine can run without further checks.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -10,6 +10,7 @@ use serde_json::Value;
 
 use super::binding::{self, BindingPath, Root};
 use super::definition::{RetryPolicy, SagaDef, StepDef};
+use crate::runtime::policy::MAX_DEADLINE_MS;
 use crate::runtime::{LimitOverrides, Runtime};
 
 /// A compensator as the plan runs it.
@@ -34,8 +35,6 @@ pub struct PlannedStep {
     pub compensator: Option<CompensatorPlan>,
     /// Indices of the steps this one needs.
     pub deps: Vec<usize>,
-    /// Indices of every step that must complete before this one (transitive deps).
-    pub ancestors: BTreeSet<usize>,
     pub retry: RetryPolicy,
     pub timeout: Option<Duration>,
     pub limits: LimitOverrides,
@@ -49,16 +48,27 @@ pub struct Plan {
     pub output: Option<Value>,
     pub ledgers: Vec<String>,
     pub compensation_retry: RetryPolicy,
+    /// Step index by id.
+    index: HashMap<String, usize>,
+    /// The steps that depend directly on each step.
+    dependants: Vec<Vec<usize>>,
 }
 
 impl Plan {
     pub fn step(&self, id: &str) -> Option<(usize, &PlannedStep)> {
-        self.steps.iter().enumerate().find(|(_, s)| s.id == id)
+        self.index.get(id).map(|&i| (i, &self.steps[i]))
     }
 
     /// Indices of the steps that depend on `index` directly.
-    pub fn dependants(&self, index: usize) -> impl Iterator<Item = usize> + '_ {
-        self.steps.iter().enumerate().filter(move |(_, s)| s.deps.contains(&index)).map(|(i, _)| i)
+    pub fn dependants(&self, index: usize) -> &[usize] {
+        &self.dependants[index]
+    }
+
+    /// Whether two steps may run at once (forward or compensating): the steps do not form
+    /// a single chain.
+    pub fn has_branches(&self) -> bool {
+        self.steps.iter().enumerate().any(|(i, s)| s.deps.len() > 1 || self.dependants[i].len() > 1)
+            || self.steps.iter().filter(|s| s.deps.is_empty()).count() > 1
     }
 }
 
@@ -108,7 +118,7 @@ pub fn plan(def: &SagaDef, file: &Path, runtime: &Runtime) -> Result<Plan, Probl
     if def.steps.is_empty() {
         problem(None, "the saga has no steps".into());
     }
-    let mut index = BTreeMap::new();
+    let mut index = HashMap::with_capacity(def.steps.len());
     for (i, step) in def.steps.iter().enumerate() {
         if step.id.is_empty() {
             problem(None, format!("step #{} has an empty id", i + 1));
@@ -118,7 +128,7 @@ pub fn plan(def: &SagaDef, file: &Path, runtime: &Runtime) -> Result<Plan, Probl
     }
 
     let dag = def.steps.iter().any(|s| s.depends_on.is_some());
-    let mut deps: Vec<Vec<usize>> = Vec::new();
+    let mut deps: Vec<Vec<usize>> = Vec::with_capacity(def.steps.len());
     for (i, step) in def.steps.iter().enumerate() {
         let mut mine = Vec::new();
         if dag {
@@ -129,26 +139,27 @@ pub fn plan(def: &SagaDef, file: &Path, runtime: &Runtime) -> Result<Plan, Probl
                     None => problem(Some(&step.id), format!("depends_on names the unknown step '{dep}'")),
                 }
             }
+            mine.sort_unstable();
+            mine.dedup();
         } else if i > 0 {
             mine.push(i - 1);
         }
         deps.push(mine);
     }
-    let ancestors = match ancestors(&deps) {
-        Ok(a) => a,
+    let ancestry = match Ancestry::new(&deps, dag) {
+        Ok(ancestry) => ancestry,
         Err(cycle) => {
             let names: Vec<&str> = cycle.iter().map(|&i| def.steps[i].id.as_str()).collect();
             problem(None, format!("the dependencies form a cycle: {}", names.join(" -> ")));
-            vec![BTreeSet::new(); def.steps.len()]
+            Ancestry::Unknown
         }
     };
 
-    let mut steps = Vec::new();
+    let mut steps = Vec::with_capacity(def.steps.len());
     for (i, step) in def.steps.iter().enumerate() {
-        match plan_step(step, runtime, &index, &ancestors[i], i) {
+        match plan_step(step, runtime, &index, &ancestry, i) {
             Ok(mut planned) => {
                 planned.deps = deps[i].clone();
-                planned.ancestors = ancestors[i].clone();
                 steps.push(planned);
             }
             Err(messages) => messages.into_iter().for_each(|m| problem(Some(&step.id), m)),
@@ -176,12 +187,20 @@ pub fn plan(def: &SagaDef, file: &Path, runtime: &Runtime) -> Result<Plan, Probl
     if !problems.is_empty() {
         return Err(Problems(problems));
     }
+    let mut dependants = vec![Vec::new(); steps.len()];
+    for (i, step) in steps.iter().enumerate() {
+        for &d in &step.deps {
+            dependants[d].push(i);
+        }
+    }
     Ok(Plan {
         steps,
         timeout: def.timeout.map(|t| t.0),
         output: def.output.clone(),
         ledgers: def.ledgers.clone(),
         compensation_retry: def.compensation_retry.clone().unwrap_or_else(RetryPolicy::compensation),
+        index,
+        dependants,
     })
 }
 
@@ -198,58 +217,110 @@ fn check_retry(policy: &RetryPolicy) -> Result<(), String> {
     Ok(())
 }
 
-/// The transitive dependencies of every step, or a cycle.
-fn ancestors(deps: &[Vec<usize>]) -> Result<Vec<BTreeSet<usize>>, Vec<usize>> {
-    #[derive(Clone, Copy, PartialEq)]
-    enum Mark {
-        New,
-        Visiting,
-        Done,
+/// Answers "must step `j` complete before step `i`?" without building every step's set of
+/// ancestors (quadratic in a long chain).
+enum Ancestry {
+    /// No `depends_on`: steps run in file order, so every earlier step is an ancestor.
+    Sequential,
+    /// A DAG: each step's ancestors as a bit set, built lazily on the first question that
+    /// its direct dependencies do not answer.
+    Dag { deps: Vec<Vec<usize>>, order: Vec<usize>, bits: std::cell::OnceCell<Vec<Vec<u64>>> },
+    /// The dependencies have a cycle (already reported): answer yes, to avoid follow-up noise.
+    Unknown,
+}
+
+impl Ancestry {
+    /// The ancestry of `deps`, or a cycle (its first step repeated at the end).
+    fn new(deps: &[Vec<usize>], dag: bool) -> Result<Ancestry, Vec<usize>> {
+        if !dag {
+            return Ok(Ancestry::Sequential);
+        }
+        let order = topological_order(deps)?;
+        Ok(Ancestry::Dag { deps: deps.to_vec(), order, bits: std::cell::OnceCell::new() })
     }
-    fn visit(
-        i: usize,
-        deps: &[Vec<usize>],
-        marks: &mut [Mark],
-        out: &mut [BTreeSet<usize>],
-        path: &mut Vec<usize>,
-    ) -> Result<(), Vec<usize>> {
-        match marks[i] {
-            Mark::Done => return Ok(()),
-            Mark::Visiting => {
-                let start = path.iter().position(|&p| p == i).unwrap_or(0);
-                let mut cycle = path[start..].to_vec();
-                cycle.push(i);
-                return Err(cycle);
+
+    fn is_ancestor(&self, j: usize, of: usize) -> bool {
+        match self {
+            Ancestry::Sequential => j < of,
+            Ancestry::Unknown => true,
+            Ancestry::Dag { deps, order, bits } => {
+                if deps[of].contains(&j) {
+                    return true;
+                }
+                let bits = bits.get_or_init(|| ancestor_bits(deps, order));
+                bits[of].get(j / 64).is_some_and(|w| w & (1 << (j % 64)) != 0)
             }
-            Mark::New => {}
         }
-        marks[i] = Mark::Visiting;
-        path.push(i);
-        let mut mine = BTreeSet::new();
+    }
+}
+
+/// The steps in an order where each comes after its dependencies (Kahn), or a cycle.
+fn topological_order(deps: &[Vec<usize>]) -> Result<Vec<usize>, Vec<usize>> {
+    let n = deps.len();
+    let mut waiting: Vec<usize> = deps.iter().map(Vec::len).collect();
+    let mut dependants = vec![Vec::new(); n];
+    for (i, mine) in deps.iter().enumerate() {
+        for &d in mine {
+            dependants[d].push(i);
+        }
+    }
+    let mut order: Vec<usize> = (0..n).filter(|&i| waiting[i] == 0).collect();
+    let mut next = 0;
+    while next < order.len() {
+        let i = order[next];
+        next += 1;
+        for &j in &dependants[i] {
+            waiting[j] -= 1;
+            if waiting[j] == 0 {
+                order.push(j);
+            }
+        }
+    }
+    if order.len() == n {
+        return Ok(order);
+    }
+    // Every step left waits on another one left: walk back from any until a step repeats.
+    let start = (0..n).find(|&i| waiting[i] > 0).unwrap_or(0);
+    let mut path = vec![start];
+    let mut seen = vec![usize::MAX; n];
+    seen[start] = 0;
+    let mut at = start;
+    loop {
+        let Some(&prev) = deps[at].iter().find(|&&d| waiting[d] > 0) else { return Err(path) };
+        if seen[prev] != usize::MAX {
+            let mut cycle = path[seen[prev]..].to_vec();
+            cycle.push(prev);
+            return Err(cycle);
+        }
+        seen[prev] = path.len();
+        path.push(prev);
+        at = prev;
+    }
+}
+
+/// Every step's ancestors as a bit set, in topological order.
+fn ancestor_bits(deps: &[Vec<usize>], order: &[usize]) -> Vec<Vec<u64>> {
+    let words = deps.len().div_ceil(64);
+    let mut bits = vec![Vec::new(); deps.len()];
+    for &i in order {
+        let mut mine = vec![0u64; words];
         for &d in &deps[i] {
-            visit(d, deps, marks, out, path)?;
-            mine.insert(d);
-            mine.extend(out[d].iter().copied());
+            mine[d / 64] |= 1 << (d % 64);
+            for (w, dw) in mine.iter_mut().zip(&bits[d]) {
+                *w |= dw;
+            }
         }
-        path.pop();
-        out[i] = mine;
-        marks[i] = Mark::Done;
-        Ok(())
+        bits[i] = mine;
     }
-    let mut marks = vec![Mark::New; deps.len()];
-    let mut out = vec![BTreeSet::new(); deps.len()];
-    for i in 0..deps.len() {
-        visit(i, deps, &mut marks, &mut out, &mut Vec::new())?;
-    }
-    Ok(out)
+    bits
 }
 
 /// Checks one step's tools, bindings and static arguments.
 fn plan_step(
     step: &StepDef,
     runtime: &Runtime,
-    index: &BTreeMap<String, usize>,
-    ancestors: &BTreeSet<usize>,
+    index: &HashMap<String, usize>,
+    ancestry: &Ancestry,
     own: usize,
 ) -> Result<PlannedStep, Vec<String>> {
     let mut messages = Vec::new();
@@ -260,7 +331,7 @@ fn plan_step(
                 Ok(BindingPath { root: Root::Step(id), text, .. }) => match index.get(&id) {
                     None => messages.push(format!("{what}: {text} names the unknown step '{id}'")),
                     Some(&j) if j == own && allow_self => {}
-                    Some(&j) if !ancestors.contains(&j) => messages.push(format!(
+                    Some(&j) if !ancestry.is_ancestor(j, own) => messages.push(format!(
                         "{what}: {text} reads step '{id}', which is not guaranteed to run before this one \
                          (list it in depends_on)"
                     )),
@@ -324,6 +395,11 @@ fn plan_step(
     {
         messages.push(format!("limits: {e}"));
     }
+    if let Some(timeout) = step.timeout
+        && timeout.0 > std::time::Duration::from_millis(MAX_DEADLINE_MS)
+    {
+        messages.push(format!("timeout {} is longer than the 24 h a call may run", timeout));
+    }
     if !messages.is_empty() {
         return Err(messages);
     }
@@ -336,7 +412,6 @@ fn plan_step(
         side_effects,
         compensator: if step.no_compensation && step.compensate.is_none() { None } else { compensator },
         deps: Vec::new(),
-        ancestors: BTreeSet::new(),
         retry: step.retry.clone().unwrap_or_default(),
         timeout: step.timeout.map(|t| t.0),
         limits,
@@ -358,11 +433,28 @@ mod tests {
 
     #[test]
     fn ancestors_are_transitive_and_cycles_are_found() {
-        let chain = ancestors(&[vec![], vec![0], vec![1], vec![0]]).unwrap();
-        assert_eq!(chain[2], BTreeSet::from([0, 1]));
-        assert_eq!(chain[3], BTreeSet::from([0]));
-        let cycle = ancestors(&[vec![2], vec![0], vec![1]]).unwrap_err();
+        let dag = Ancestry::new(&[vec![], vec![0], vec![1], vec![0]], true).unwrap();
+        assert!(dag.is_ancestor(0, 2) && dag.is_ancestor(1, 2));
+        assert!(dag.is_ancestor(0, 3) && !dag.is_ancestor(1, 3) && !dag.is_ancestor(2, 3));
+        assert!(!dag.is_ancestor(2, 1));
+        let cycle = Ancestry::new(&[vec![2], vec![0], vec![1]], true).err().unwrap();
         assert_eq!(cycle.first(), cycle.last());
         assert_eq!(cycle.len(), 4);
+        // A cycle hanging off an acyclic part is still found.
+        let tail = Ancestry::new(&[vec![], vec![0, 3], vec![1], vec![2]], true).err().unwrap();
+        assert_eq!(tail.first(), tail.last());
+        assert_eq!(tail.len(), 4);
+        let sequential = Ancestry::new(&[vec![], vec![0], vec![1]], false).unwrap();
+        assert!(sequential.is_ancestor(0, 2) && !sequential.is_ancestor(2, 0));
+    }
+
+    #[test]
+    fn ancestry_of_a_wide_dag_crosses_word_boundaries() {
+        // 0 <- 1 <- ... <- 199, plus 200 depending on 0 only.
+        let mut deps: Vec<Vec<usize>> = (0..200).map(|i| if i == 0 { vec![] } else { vec![i - 1] }).collect();
+        deps.push(vec![0]);
+        let dag = Ancestry::new(&deps, true).unwrap();
+        assert!(dag.is_ancestor(63, 199) && dag.is_ancestor(64, 199) && dag.is_ancestor(0, 199));
+        assert!(!dag.is_ancestor(64, 200) && dag.is_ancestor(0, 200));
     }
 }

@@ -11,6 +11,7 @@ mod digest;
 pub mod fixture;
 pub mod generate;
 mod txn;
+pub mod undo;
 
 use std::sync::{Arc, OnceLock, RwLock};
 
@@ -19,7 +20,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 pub use digest::{Diff, DiffEntry, Digests, diff};
-pub use txn::{Conflict, Txn, TxnError, WriteQuota};
+pub use txn::{Conflict, StoreCaps, Txn, TxnError, WriteQuota};
 
 /// One stored document.
 #[derive(Clone, Debug)]

@@ -20,13 +20,37 @@ impl Default for WriteQuota {
     }
 }
 
-/// Why a write was refused.
+/// Caps on what one call can make the host hold through reads and listings (writes are
+/// bounded by the [`WriteQuota`]). Every key and namespace a call names is copied and kept
+/// until the call ends, so both their size and their number are capped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StoreCaps {
+    /// Longest key (bytes) a call may read, write or list by (as a prefix).
+    pub key_bytes: usize,
+    /// Longest namespace name (bytes).
+    pub namespace_bytes: usize,
+    /// Distinct documents one call may read (its read set).
+    pub distinct_reads: usize,
+    /// Keys one `list` may return.
+    pub listed_keys: usize,
+}
+
+impl Default for StoreCaps {
+    fn default() -> Self {
+        StoreCaps { key_bytes: 1024, namespace_bytes: 256, distinct_reads: 50_000, listed_keys: 50_000 }
+    }
+}
+
+/// Why a store operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TxnError {
     #[error("document {namespace}/{key} is not valid JSON: {reason}")]
     InvalidDocument { namespace: String, key: String, reason: String },
     #[error("the call exceeded its write quota ({0})")]
     QuotaExceeded(String),
+    /// A [`StoreCaps`] cap: `cap` names it, `limit` says its value.
+    #[error("the call exceeded the store's {cap} cap ({limit}): {detail}")]
+    CapExceeded { cap: &'static str, limit: String, detail: String },
 }
 
 /// Another commit changed something this transaction read.
@@ -44,6 +68,7 @@ type Key = (String, String);
 pub struct Txn {
     base: State,
     quota: WriteQuota,
+    caps: StoreCaps,
     /// Version of every document read from the snapshot (`None`: it was absent).
     reads: BTreeMap<Key, Option<u64>>,
     /// Namespaces listed, with their key-set version at the snapshot.
@@ -59,12 +84,19 @@ impl Txn {
         Txn {
             base,
             quota,
+            caps: StoreCaps::default(),
             reads: BTreeMap::new(),
             listed: BTreeMap::new(),
             writes: BTreeMap::new(),
             bytes_written: 0,
             write_ops: 0,
         }
+    }
+
+    /// The same transaction with other caps on reads and listings.
+    pub fn with_caps(mut self, caps: StoreCaps) -> Txn {
+        self.caps = caps;
+        self
     }
 
     /// The snapshot this transaction reads.
@@ -82,8 +114,24 @@ impl Txn {
         doc.map(|d| d.text.clone())
     }
 
-    /// Stores `text` (JSON, canonicalized here) at `ns`/`key`.
+    /// [`Txn::get`] for a guest: refuses names over the caps and a read that would grow the
+    /// read set past its cap.
+    pub fn try_get(&mut self, ns: &str, key: &str) -> Result<Option<Arc<str>>, TxnError> {
+        self.check_names(ns, key)?;
+        let id = (ns.to_string(), key.to_string());
+        let known = self.writes.contains_key(&id) || self.reads.contains_key(&id);
+        if !known && self.reads.len() >= self.caps.distinct_reads {
+            let limit = format!("{} distinct documents per call", self.caps.distinct_reads);
+            return Err(cap("read set", limit, format!("reading {ns}/{} would exceed it", short(key))));
+        }
+        Ok(self.get(ns, key))
+    }
+
+    /// Stores `text` (JSON, canonicalized here) at `ns`/`key`. The quota is checked against
+    /// the raw text before parsing, so a document that cannot fit is never parsed.
     pub fn put(&mut self, ns: &str, key: &str, text: &str) -> Result<(), TxnError> {
+        self.check_names(ns, key)?;
+        self.check_room(text.len() + ns.len() + key.len())?;
         let canonical = crate::json::canonicalize(text).map_err(|e| TxnError::InvalidDocument {
             namespace: ns.to_string(),
             key: key.to_string(),
@@ -96,6 +144,7 @@ impl Txn {
 
     /// Removes `ns`/`key`; true when it existed.
     pub fn delete(&mut self, ns: &str, key: &str) -> Result<bool, TxnError> {
+        self.check_names(ns, key)?;
         self.charge(ns.len() + key.len())?;
         let existed = self.get(ns, key).is_some();
         self.writes.insert((ns.to_string(), key.to_string()), None);
@@ -104,10 +153,29 @@ impl Txn {
 
     /// Keys of `ns` starting with `prefix`, own writes included.
     pub fn list(&mut self, ns: &str, prefix: &str) -> Vec<String> {
+        self.keys(ns, prefix, usize::MAX)
+    }
+
+    /// [`Txn::list`] for a guest: refuses names over the caps and listings longer than the
+    /// cap, without collecting more than the cap (plus the call's own deletions) first.
+    pub fn try_list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, TxnError> {
+        self.check_names(ns, prefix)?;
+        let limit = self.caps.listed_keys;
+        let deleted = self.writes.iter().filter(|((w, k), t)| w == ns && k.starts_with(prefix) && t.is_none()).count();
+        let keys = self.keys(ns, prefix, limit.saturating_add(deleted).saturating_add(1));
+        if keys.len() > limit {
+            let detail = format!("{ns} has more keys starting with '{}'", short(prefix));
+            return Err(cap("list size", format!("{limit} keys per listing"), detail));
+        }
+        Ok(keys)
+    }
+
+    /// At most `take` keys of the snapshot, with the call's own writes laid over them.
+    fn keys(&mut self, ns: &str, prefix: &str, take: usize) -> Vec<String> {
         let namespace = self.base.namespace(ns);
         self.listed.entry(ns.to_string()).or_insert(namespace.map_or(0, |n| n.keys_version));
         let mut keys: std::collections::BTreeSet<String> =
-            namespace.map(|n| n.keys_with_prefix(prefix).cloned().collect()).unwrap_or_default();
+            namespace.map(|n| n.keys_with_prefix(prefix).take(take).cloned().collect()).unwrap_or_default();
         for ((wns, key), text) in &self.writes {
             if wns == ns && key.starts_with(prefix) {
                 if text.is_some() {
@@ -118,6 +186,32 @@ impl Txn {
             }
         }
         keys.into_iter().collect()
+    }
+
+    fn check_names(&self, ns: &str, key: &str) -> Result<(), TxnError> {
+        if ns.len() > self.caps.namespace_bytes {
+            let limit = format!("{} bytes", self.caps.namespace_bytes);
+            return Err(cap("namespace length", limit, format!("a namespace of {} bytes", ns.len())));
+        }
+        if key.len() > self.caps.key_bytes {
+            let limit = format!("{} bytes", self.caps.key_bytes);
+            return Err(cap("key length", limit, format!("a key of {} bytes", key.len())));
+        }
+        Ok(())
+    }
+
+    /// Refuses a write of `bytes` that cannot fit, without charging anything.
+    fn check_room(&self, bytes: usize) -> Result<(), TxnError> {
+        if self.write_ops >= self.quota.writes {
+            return Err(TxnError::QuotaExceeded(format!("more than {} writes", self.quota.writes)));
+        }
+        if self.bytes_written.saturating_add(bytes) > self.quota.bytes {
+            return Err(TxnError::QuotaExceeded(format!(
+                "more than {} bytes written (this document is {bytes} bytes)",
+                self.quota.bytes
+            )));
+        }
+        Ok(())
     }
 
     fn charge(&mut self, bytes: usize) -> Result<(), TxnError> {
@@ -170,6 +264,16 @@ impl Txn {
             })
             .collect()
     }
+}
+
+fn cap(cap: &'static str, limit: String, detail: String) -> TxnError {
+    TxnError::CapExceeded { cap, limit, detail }
+}
+
+/// The start of a guest-supplied name, for messages.
+fn short(name: &str) -> &str {
+    let end = (0..=name.len().min(64)).rev().find(|i| name.is_char_boundary(*i)).unwrap_or(0);
+    &name[..end]
 }
 
 #[cfg(test)]

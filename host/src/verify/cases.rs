@@ -1,7 +1,9 @@
 //! The cases of a verification campaign: the clean run, every fault kind at every step,
 //! transient and permanent failures of every compensator, every action and compensator
-//! delivered twice, and random fault schedules drawn from the seed.
+//! delivered twice, and random fault schedules drawn from the seed — and, for sagas with
+//! steps that can run at once, every one of those again with the steps run concurrently.
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::str::FromStr;
 
@@ -10,7 +12,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::saga::{Fault, FaultPlan, Phase, RunReport, Saga, Status, StepStatus};
+use crate::saga::{Fault, FaultPlan, Phase, Plan, RunReport, Saga, Status, StepStatus};
 
 /// A kind of fault a campaign can inject (`--faults` takes a comma-separated list).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -107,6 +109,19 @@ impl fmt::Display for Expect {
     }
 }
 
+/// How a case's run schedules its steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// One step at a time in plan order, clocks and randomness drawn from the seed.
+    Deterministic,
+    /// Independent steps, and independent compensations, in flight together.
+    Concurrent,
+}
+
+/// The end of a concurrent case's id: `<id of its deterministic twin>@concurrent`.
+pub const CONCURRENT_SUFFIX: &str = "@concurrent";
+
 /// One case of a campaign.
 #[derive(Clone, Debug)]
 pub struct Case {
@@ -114,13 +129,30 @@ pub struct Case {
     pub id: String,
     pub faults: FaultPlan,
     pub expect: Expect,
+    pub mode: Mode,
+}
+
+impl Case {
+    fn new(id: String, faults: FaultPlan, expect: Expect) -> Case {
+        Case { id, faults, expect, mode: Mode::Deterministic }
+    }
+
+    /// The run without faults that every other case is judged against.
+    pub fn clean() -> Case {
+        Case::new("clean".into(), FaultPlan::none(), Expect::Baseline)
+    }
+
+    /// The same faults and expectation, with the steps run concurrently.
+    pub fn concurrent(&self) -> Case {
+        Case { id: format!("{}{CONCURRENT_SUFFIX}", self.id), mode: Mode::Concurrent, ..self.clone() }
+    }
 }
 
 /// Builds the cases for `saga`, given its clean run.
 pub fn build(saga: &Saga, clean: &RunReport, kinds: &[FaultKind], seed: u64, runs: usize) -> Vec<Case> {
     let plan = &saga.plan;
     let wanted = |k: FaultKind| kinds.contains(&k);
-    let mut cases = vec![Case { id: "clean".into(), faults: FaultPlan::none(), expect: Expect::Baseline }];
+    let mut cases = vec![Case::clean()];
     let reached = |id: &str| clean.step(id).is_some_and(|s| s.attempts > 0);
     let succeeded =
         |id: &str| clean.step(id).is_some_and(|s| matches!(s.status, StepStatus::Completed | StepStatus::Compensated));
@@ -136,26 +168,26 @@ pub fn build(saga: &Saga, clean: &RunReport, kinds: &[FaultKind], seed: u64, run
         ] {
             if wanted(kind) {
                 let expect = Expect::RolledBack { failed_step: id.into() };
-                cases.push(Case { id: format!("{id}:{kind}"), faults: action(fault), expect });
+                cases.push(Case::new(format!("{id}:{kind}"), action(fault), expect));
             }
         }
         // A lost response and a repeat need a call that succeeds.
         if wanted(FaultKind::LostResponse) && succeeded(id) {
             let expect = Expect::RolledBack { failed_step: id.into() };
-            cases.push(Case { id: format!("{id}:lost_response"), faults: action(Fault::LostResponse), expect });
+            cases.push(Case::new(format!("{id}:lost_response"), action(Fault::LostResponse), expect));
         }
         if wanted(FaultKind::Transient) {
             // Absorbed by retries when the step has attempts to spare; else it fails there.
             let exhausted = succeeded(id) && TRANSIENT_FAILURES >= step.retry.max_attempts;
             let expect = if exhausted { Expect::RolledBack { failed_step: id.into() } } else { Expect::SameAsClean };
-            cases.push(Case {
-                id: format!("{id}:transient"),
-                faults: action(Fault::Transient { failures: TRANSIENT_FAILURES }),
+            cases.push(Case::new(
+                format!("{id}:transient"),
+                action(Fault::Transient { failures: TRANSIENT_FAILURES }),
                 expect,
-            });
+            ));
         }
         if wanted(FaultKind::Repeat) && succeeded(id) {
-            cases.push(Case { id: format!("{id}:repeat"), faults: action(Fault::Repeat), expect: Expect::SameAsClean });
+            cases.push(Case::new(format!("{id}:repeat"), action(Fault::Repeat), Expect::SameAsClean));
         }
     }
 
@@ -178,32 +210,74 @@ pub fn build(saga: &Saga, clean: &RunReport, kinds: &[FaultKind], seed: u64, run
         if wanted(FaultKind::CompensatorTransient) {
             let gives_up = TRANSIENT_FAILURES >= plan.compensation_retry.max_attempts;
             let expect = if gives_up { Expect::CompensationFailed { step: id.into() } } else { rolled_back.clone() };
-            cases.push(Case {
-                id: format!("{id}:compensation:transient"),
-                faults: comp(Fault::Transient { failures: TRANSIENT_FAILURES }),
+            cases.push(Case::new(
+                format!("{id}:compensation:transient"),
+                comp(Fault::Transient { failures: TRANSIENT_FAILURES }),
                 expect,
-            });
+            ));
         }
         if wanted(FaultKind::CompensatorPermanent) {
-            cases.push(Case {
-                id: format!("{id}:compensation:permanent"),
-                faults: comp(Fault::Permanent),
-                expect: Expect::CompensationFailed { step: id.into() },
-            });
+            cases.push(Case::new(
+                format!("{id}:compensation:permanent"),
+                comp(Fault::Permanent),
+                Expect::CompensationFailed { step: id.into() },
+            ));
         }
         if wanted(FaultKind::Repeat) {
-            cases.push(Case {
-                id: format!("{id}:compensation:repeat"),
-                faults: comp(Fault::Repeat),
-                expect: rolled_back,
-            });
+            cases.push(Case::new(format!("{id}:compensation:repeat"), comp(Fault::Repeat), rolled_back));
         }
     }
 
     if wanted(FaultKind::Random) {
         cases.extend((0..runs).map(|r| random_case(saga, seed, r)));
     }
+    if has_independent_steps(plan) {
+        let twins: Vec<Case> = cases.iter().map(Case::concurrent).collect();
+        cases.extend(twins);
+    }
     cases
+}
+
+/// The case of `built` with this id; a random schedule beyond `--runs` is drawn on demand.
+/// Empty when the saga has no such case.
+pub fn select(saga: &Saga, built: Vec<Case>, id: &str, seed: u64) -> Vec<Case> {
+    if let Some(case) = built.into_iter().find(|c| c.id == id) {
+        return vec![case];
+    }
+    let (base, concurrent) = match id.strip_suffix(CONCURRENT_SUFFIX) {
+        Some(base) => (base, true),
+        None => (id, false),
+    };
+    let Some(r) = base.strip_prefix("random-").and_then(|r| r.parse().ok()) else { return Vec::new() };
+    let case = random_case(saga, seed, r);
+    match concurrent {
+        false => vec![case],
+        true if has_independent_steps(&saga.plan) => vec![case.concurrent()],
+        true => Vec::new(),
+    }
+}
+
+/// Whether two steps may be in flight together: neither needs the other, even indirectly.
+pub fn has_independent_steps(plan: &Plan) -> bool {
+    let ancestors = ancestors(plan);
+    let related = |i: usize, j: usize| ancestors[i].contains(&j) || ancestors[j].contains(&i);
+    (0..ancestors.len()).any(|i| (i + 1..ancestors.len()).any(|j| !related(i, j)))
+}
+
+/// Every step each step needs, directly or not.
+fn ancestors(plan: &Plan) -> Vec<BTreeSet<usize>> {
+    let deps = |i: usize| plan.steps.get(i).map(|s| s.deps.as_slice()).unwrap_or_default();
+    (0..plan.steps.len())
+        .map(|i| {
+            let (mut seen, mut stack) = (BTreeSet::new(), deps(i).to_vec());
+            while let Some(d) = stack.pop() {
+                if seen.insert(d) {
+                    stack.extend_from_slice(deps(d));
+                }
+            }
+            seen
+        })
+        .collect()
 }
 
 /// The `r`-th random schedule of `saga` under `seed`: one to three faults on random steps.
@@ -237,7 +311,7 @@ pub fn random_case(saga: &Saga, seed: u64, r: usize) -> Case {
             faults = faults.with(&step.id, Phase::Action, fault);
         }
     }
-    Case { id: format!("random-{r}"), faults, expect: Expect::Invariants }
+    Case::new(format!("random-{r}"), faults, Expect::Invariants)
 }
 
 /// Whether a run's status is a rollback (the state must be back where it started).

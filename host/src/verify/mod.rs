@@ -5,7 +5,9 @@
 //!
 //! Runs are deterministic (see [`RunOptions::deterministic`]) and every case of a saga uses
 //! the same run id, so the same seed, plugins, saga and fixture give a byte-identical
-//! report; wall-clock numbers live apart from it, in [`Timing`].
+//! report; wall-clock numbers live apart from it, in [`Timing`]. Sagas with independent
+//! steps also run every case concurrently ([`Mode::Concurrent`]); those cases report only
+//! what scheduling cannot change: verdict, final status and state digests.
 
 pub mod cases;
 
@@ -16,7 +18,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use serde_json::Value;
 
-pub use cases::{Case, Expect, FaultKind};
+pub use cases::{Case, Expect, FaultKind, Mode};
 
 use crate::runtime::Runtime;
 use crate::saga::{self, FaultPlan, MemoryBackend, Phase, RunOptions, RunReport, Saga, Status, StepStatus};
@@ -33,11 +35,31 @@ pub struct CampaignOptions {
     pub only_case: Option<String>,
     /// Cases in flight at once (each case is deterministic on its own).
     pub concurrency: usize,
+    /// Called in each case's task before the case runs.
+    pub on_case: Option<CaseHook>,
+}
+
+/// A function every case's task calls before the case runs: a way to observe cases, and for
+/// tests to provoke a failure inside one.
+#[derive(Clone)]
+pub struct CaseHook(pub Arc<dyn Fn(&Case) + Send + Sync>);
+
+impl std::fmt::Debug for CaseHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CaseHook")
+    }
 }
 
 impl Default for CampaignOptions {
     fn default() -> Self {
-        CampaignOptions { seed: 0, runs: 20, kinds: FaultKind::ALL.to_vec(), only_case: None, concurrency: 2 }
+        CampaignOptions {
+            seed: 0,
+            runs: 20,
+            kinds: FaultKind::ALL.to_vec(),
+            only_case: None,
+            concurrency: 2,
+            on_case: None,
+        }
     }
 }
 
@@ -63,12 +85,17 @@ pub enum Verdict {
 #[derive(Clone, Debug, Serialize)]
 pub struct CaseReport {
     pub id: String,
+    pub mode: Mode,
     pub faults: FaultPlan,
     pub expected: Expect,
     pub observed: Status,
+    /// Left out of concurrent cases: which of two faulted branches fails first is a race.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub failed_step: Option<String>,
-    /// Step ids in the order their compensations completed.
+    /// Step ids in the order their compensations completed (left out of concurrent cases).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
     pub compensated: Vec<String>,
+    /// Sorted in concurrent cases.
     pub compensation_failed: Vec<String>,
     pub digest_before: String,
     pub digest_after: String,
@@ -122,6 +149,23 @@ impl Metrics {
             c.rolled_back += 1;
             c.restored += usize::from(case.digest_after == case.digest_before);
         }
+        // Which steps a concurrent run started before a failure stopped it is a race; the
+        // ratios below count deterministic runs only, so the report stays reproducible.
+        if case.mode == Mode::Deterministic {
+            self.add_steps(run, saga);
+        }
+        self.finish();
+    }
+
+    /// A case whose task panicked: a failed case with no run to count.
+    fn add_panicked(&mut self) {
+        self.cases += 1;
+        self.failed += 1;
+        self.finish();
+    }
+
+    fn add_steps(&mut self, run: &RunReport, saga: &Saga) {
+        let c = &mut self.counts;
         for step in &run.steps {
             let executed = matches!(
                 step.status,
@@ -137,7 +181,6 @@ impl Metrics {
             c.compensation_attempts += step.compensation_attempts as usize;
         }
         c.compensations += run.compensated.len();
-        self.finish();
     }
 
     fn merge(&mut self, other: &Metrics) {
@@ -173,6 +216,9 @@ pub struct SagaReport {
     pub fixture_digest: String,
     pub ledgers: Vec<String>,
     pub metrics: Metrics,
+    /// What failed the saga's campaign outside any case's verdict.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<String>,
     pub cases: Vec<CaseReport>,
 }
 
@@ -184,12 +230,17 @@ pub struct CampaignReport {
     pub runs: usize,
     pub faults: Vec<FaultKind>,
     pub totals: Metrics,
+    /// What failed the campaign as a whole.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub problems: Vec<String>,
     pub sagas: Vec<SagaReport>,
 }
 
 impl CampaignReport {
+    /// No case failed or panicked, every clean run could anchor its campaign, and the
+    /// campaign ran as asked.
     pub fn passed(&self) -> bool {
-        self.totals.failed == 0
+        self.totals.failed == 0 && self.problems.is_empty() && self.sagas.iter().all(|s| s.problems.is_empty())
     }
 }
 
@@ -226,81 +277,195 @@ struct CleanRun {
     state: State,
 }
 
+/// Why a campaign cannot run as asked.
+#[derive(Debug, thiserror::Error)]
+pub enum CampaignError {
+    #[error("--case '{id}': no saga has a case with this id (known cases: {known})")]
+    UnknownCase { id: String, known: String },
+}
+
+/// A campaign whose clean runs are done and whose cases are chosen, ready to [`execute`].
+pub struct Prepared {
+    sagas: Vec<PreparedSaga>,
+}
+
+struct PreparedSaga {
+    subject: Subject,
+    clean: Arc<CleanRun>,
+    cases: Vec<Case>,
+    /// Why the clean run cannot anchor the campaign, if it cannot.
+    problems: Vec<String>,
+}
+
 /// The run id every case of a saga uses, so that the records its tools create get the same
 /// ids in every case (and completed cases can be compared with the clean run).
 fn run_id(saga: &Saga) -> String {
     format!("verify-{}", saga.name)
 }
 
-/// Runs one case from the initial snapshot.
-async fn run_case(runtime: &Runtime, subject: &Subject, faults: FaultPlan, seed: u64) -> (RunReport, State) {
+/// Steps (or compensations) a concurrent case lets run at once.
+const CONCURRENT_STEPS: usize = 4;
+
+/// Runs one case from the initial snapshot, one step at a time or concurrently as it says.
+async fn run_case(runtime: &Runtime, subject: &Subject, case: &Case, seed: u64) -> (RunReport, State) {
     let backend = MemoryBackend::new(subject.initial.clone());
     let mut options = RunOptions::new(run_id(&subject.saga), subject.input.clone());
     options.seed = seed;
-    options.faults = faults;
-    options.deterministic = true;
+    options.faults = case.faults.clone();
+    options.deterministic = case.mode == Mode::Deterministic;
+    options.virtual_backoff = true;
+    options.max_concurrency = CONCURRENT_STEPS;
     let report = saga::run(runtime, &subject.saga, &backend, options).await;
     (report, backend.store.snapshot())
 }
 
-/// Runs the campaign of every subject. `progress` hears of every finished case.
+/// Runs the campaign of every subject. `progress` hears of every finished case. A campaign
+/// that cannot run as asked (an unknown `--case`) comes back failed, with the reason in
+/// [`CampaignReport::problems`].
 pub async fn run_campaign(
     runtime: Arc<Runtime>,
     subjects: &[Subject],
     options: &CampaignOptions,
     progress: &(dyn Fn(usize, usize) + Sync),
 ) -> (CampaignReport, Timing) {
-    let started = std::time::Instant::now();
-    let mut sagas = Vec::new();
-    let mut latencies = Vec::new();
-    let mut plans = Vec::new();
+    match prepare(&runtime, subjects, options).await {
+        Ok(prepared) => execute(runtime, prepared, options, progress).await,
+        Err(e) => {
+            let mut report = empty_report(options, Vec::new());
+            report.problems.push(e.to_string());
+            (report, Timing::default())
+        }
+    }
+}
+
+/// Runs every subject's clean run and chooses its cases.
+pub async fn prepare(
+    runtime: &Runtime,
+    subjects: &[Subject],
+    options: &CampaignOptions,
+) -> Result<Prepared, CampaignError> {
+    let (mut sagas, mut ids) = (Vec::new(), Vec::new());
     for subject in subjects {
-        let (clean, clean_state) = run_case(&runtime, subject, FaultPlan::none(), options.seed).await;
+        let (clean, clean_state) = run_case(runtime, subject, &Case::clean(), options.seed).await;
         let mut cases = cases::build(&subject.saga, &clean, &options.kinds, options.seed, options.runs);
         if let Some(only) = &options.only_case {
-            cases.retain(|c| &c.id == only);
-            if cases.is_empty()
-                && let Some(r) = only.strip_prefix("random-").and_then(|r| r.parse().ok())
-            {
-                cases.push(cases::random_case(&subject.saga, options.seed, r));
-            }
+            ids.extend(cases.iter().map(|c| c.id.clone()).filter(|id| !id.starts_with("random-")));
+            cases = cases::select(&subject.saga, cases, only, options.seed);
         }
+        let problems = clean_run_problem(subject, &clean).into_iter().collect();
         let clean = CleanRun { status: clean.status, failed_step: clean.failed_step.clone(), state: clean_state };
-        plans.push((subject, Arc::new(clean), cases));
+        sagas.push(PreparedSaga { subject: subject.clone(), clean: Arc::new(clean), cases, problems });
     }
-    let total: usize = plans.iter().map(|(_, _, c)| c.len()).sum();
-    let mut done = 0;
+    if let Some(only) = &options.only_case
+        && sagas.iter().all(|s| s.cases.is_empty())
+    {
+        return Err(CampaignError::UnknownCase { id: only.clone(), known: known_cases(ids, options) });
+    }
+    Ok(Prepared { sagas })
+}
+
+/// Case ids for an error message: the first few, and how many more.
+fn known_cases(mut ids: Vec<String>, options: &CampaignOptions) -> String {
+    const SHOWN: usize = 12;
+    let mut seen = BTreeSet::new();
+    ids.retain(|id| seen.insert(id.clone()));
+    let more = ids.len().saturating_sub(SHOWN);
+    let mut text = ids.into_iter().take(SHOWN).collect::<Vec<_>>().join(", ");
+    if more > 0 {
+        text.push_str(&format!(", … and {more} more"));
+    }
+    if options.kinds.contains(&FaultKind::Random) {
+        text.push_str("; random-N for any N");
+    }
+    text
+}
+
+/// Why a clean run cannot anchor a campaign, if it cannot. It must complete, or fail only
+/// after steps completed and were undone — the rollback the saga was written to show; a
+/// saga with no fixture or with an expected (completed) state must complete.
+fn clean_run_problem(subject: &Subject, clean: &RunReport) -> Option<String> {
+    if clean.status == Status::Completed {
+        return None;
+    }
+    let saga = &subject.saga;
+    let undid_something = !clean.compensated.is_empty() || !clean.compensation_failures.is_empty();
+    let why = if saga.companions.fixture.is_none() {
+        let stem = saga.path.file_stem().and_then(|s| s.to_str()).unwrap_or("saga");
+        format!(
+            "hint: the saga has no fixture, so it ran on an empty store; \
+             give it its starting state in {stem}.fixture.json (or a directory {stem}.fixture/)"
+        )
+    } else if subject.expected.is_some() {
+        "the saga declares the expected state of a completed run".to_string()
+    } else if !undid_something {
+        "no step completed before it, so no case would exercise a rollback".to_string()
+    } else {
+        return None;
+    };
+    Some(format!("the clean run did not complete: {}; {why}", failure_text(clean)))
+}
+
+/// "rejected at step 'flight': airline.book: …"
+fn failure_text(run: &RunReport) -> String {
+    let code = run.error.as_ref().map_or(run.status.as_str(), |e| e.code.as_str());
+    let at = run.failed_step.as_ref().map(|s| format!(" at step '{s}'")).unwrap_or_default();
+    let message = run.error.as_ref().map(|e| format!(": {}", e.message)).unwrap_or_default();
+    format!("{code}{at}{message}")
+}
+
+fn empty_report(options: &CampaignOptions, sagas: Vec<SagaReport>) -> CampaignReport {
+    let mut totals = Metrics::default();
+    sagas.iter().for_each(|s| totals.merge(&s.metrics));
+    CampaignReport {
+        sagabox: env!("CARGO_PKG_VERSION"),
+        seed: options.seed,
+        runs: options.runs,
+        faults: options.kinds.clone(),
+        totals,
+        problems: Vec::new(),
+        sagas,
+    }
+}
+
+/// What one case's task came back with: its verdict and run, or the panic that ended it.
+type CaseOutcome = Result<(CaseReport, RunReport), String>;
+
+/// Runs the prepared cases, at most `options.concurrency` at once.
+pub async fn execute(
+    runtime: Arc<Runtime>,
+    prepared: Prepared,
+    options: &CampaignOptions,
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> (CampaignReport, Timing) {
+    let started = std::time::Instant::now();
+    let total: usize = prepared.sagas.iter().map(|s| s.cases.len()).sum();
     let permits = Arc::new(tokio::sync::Semaphore::new(options.concurrency.max(1)));
-    for (subject, clean, cases) in plans {
-        let mut tasks = Vec::new();
-        for case in cases {
-            let (runtime, subject, clean, permits) = (runtime.clone(), subject.clone(), clean.clone(), permits.clone());
-            let seed = options.seed;
-            tasks.push(tokio::spawn(async move {
-                let _permit = permits.acquire_owned().await;
-                let (report, state) = run_case(&runtime, &subject, case.faults.clone(), seed).await;
-                let verdict = judge(&subject, &case, &report, &state, &clean, seed);
-                (verdict, report)
-            }));
-        }
+    let (mut done, mut latencies, mut sagas) = (0, Vec::new(), Vec::new());
+    for saga in prepared.sagas {
+        let tasks: Vec<_> =
+            saga.cases.iter().map(|case| spawn_case(&runtime, &saga, case, &permits, options)).collect();
         let mut metrics = Metrics::default();
-        let mut reports = Vec::new();
-        for task in tasks {
-            let (case_report, run) = match task.await {
-                Ok(result) => result,
-                Err(e) => {
-                    tracing::error!("a verification case panicked: {e}");
-                    continue;
+        let (mut reports, mut problems) = (Vec::new(), saga.problems);
+        for (case, task) in saga.cases.iter().zip(tasks) {
+            match outcome_of(task).await {
+                Ok((case_report, run)) => {
+                    metrics.add(&case_report, &run, &saga.subject.saga);
+                    latencies.extend(rollback_latency(&run));
+                    reports.push(case_report);
                 }
-            };
-            metrics.add(&case_report, &run, &subject.saga);
-            if let Some(latency) = rollback_latency(&run) {
-                latencies.push(latency);
+                Err(panic) => {
+                    metrics.add_panicked();
+                    problems.push(format!(
+                        "case '{}' panicked: {panic} (replay: {})",
+                        case.id,
+                        replay(&saga.subject.saga, options.seed, &case.id)
+                    ));
+                }
             }
-            reports.push(case_report);
             done += 1;
             progress(done, total);
         }
+        let subject = &saga.subject;
         sagas.push(SagaReport {
             saga: subject.saga.name.clone(),
             file: subject.saga.path.clone(),
@@ -308,27 +473,58 @@ pub async fn run_campaign(
             fixture_digest: subject.initial.digest(),
             ledgers: subject.saga.plan.ledgers.clone(),
             metrics,
+            problems,
             cases: reports,
         });
     }
-    let mut totals = Metrics::default();
-    sagas.iter().for_each(|s| totals.merge(&s.metrics));
     let seconds = started.elapsed().as_secs_f64();
-    let report = CampaignReport {
-        sagabox: env!("CARGO_PKG_VERSION"),
-        seed: options.seed,
-        runs: options.runs,
-        faults: options.kinds.clone(),
-        totals,
-        sagas,
-    };
     let timing = Timing {
         cases: done,
         seconds,
         cases_per_second: done as f64 / seconds.max(1e-9),
         rollback_latency_us: Percentiles::of(latencies),
     };
-    (report, timing)
+    (empty_report(options, sagas), timing)
+}
+
+fn spawn_case(
+    runtime: &Arc<Runtime>,
+    saga: &PreparedSaga,
+    case: &Case,
+    permits: &Arc<tokio::sync::Semaphore>,
+    options: &CampaignOptions,
+) -> tokio::task::JoinHandle<(CaseReport, RunReport)> {
+    let (runtime, subject, clean, permits) =
+        (runtime.clone(), saga.subject.clone(), saga.clean.clone(), permits.clone());
+    let (case, seed, hook) = (case.clone(), options.seed, options.on_case.clone());
+    tokio::spawn(async move {
+        let _permit = permits.acquire_owned().await;
+        if let Some(hook) = hook {
+            (hook.0)(&case);
+        }
+        let (report, state) = run_case(&runtime, &subject, &case, seed).await;
+        (judge(&subject, &case, &report, &state, &clean, seed), report)
+    })
+}
+
+/// A finished task's result; a panic comes back as its message, so the campaign can fail
+/// the case by name instead of losing it.
+async fn outcome_of(task: tokio::task::JoinHandle<(CaseReport, RunReport)>) -> CaseOutcome {
+    task.await.map_err(|e| {
+        if !e.is_panic() {
+            return format!("its task ended early: {e}");
+        }
+        let payload = e.into_panic();
+        payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "(a panic without a message)".into())
+    })
+}
+
+fn replay(saga: &Saga, seed: u64, case: &str) -> String {
+    format!("sagabox verify {} --seed {seed} --case {case}", saga.path.display())
 }
 
 fn plugins_of(runtime: &Runtime, saga: &Saga) -> BTreeMap<String, String> {
@@ -473,20 +669,26 @@ fn judge(subject: &Subject, case: &Case, run: &RunReport, state: &State, clean: 
     if verdict == Verdict::Pass && run.status != Status::CompensationFailed {
         diff_entries.clear();
     }
+    let serial = case.mode == Mode::Deterministic;
+    let mut compensation_failed: Vec<String> = run.compensation_failures.iter().map(|f| f.step.clone()).collect();
+    if !serial {
+        compensation_failed.sort();
+    }
     CaseReport {
         id: case.id.clone(),
+        mode: case.mode,
         faults: case.faults.clone(),
         expected: case.expect.clone(),
         observed: run.status,
-        failed_step: run.failed_step.clone(),
-        compensated: run.compensated.clone(),
-        compensation_failed: run.compensation_failures.iter().map(|f| f.step.clone()).collect(),
+        failed_step: run.failed_step.clone().filter(|_| serial),
+        compensated: if serial { run.compensated.clone() } else { Vec::new() },
+        compensation_failed,
         digest_before: initial.digest_excluding(ledgers),
         digest_after: state.digest_excluding(ledgers),
         diff: diff_entries,
         ledger_changes,
         verdict,
         reason,
-        replay: format!("sagabox verify {} --seed {seed} --case {}", saga.path.display(), case.id),
+        replay: replay(saga, seed, &case.id),
     }
 }
