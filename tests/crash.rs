@@ -50,14 +50,7 @@ fn allocate(id: &str, pool: &str, amount: u64) -> Value {
 /// - `mixed`: allocations between a query (`check`) and an action that writes nothing
 ///   (`peek`, whose undo finds nothing to undo) (6 units).
 fn setup(dir: &Path) {
-    let plugins = dir.join("plugins");
-    std::fs::create_dir_all(&plugins).unwrap();
-    std::fs::copy(artifact("slow_pool"), plugins.join("slow_pool.wasm")).unwrap();
-    std::fs::write(
-        plugins.join("slow_pool.policy.toml"),
-        "[store]\nwrite = [\"pools\", \"allocations\", \"executions\"]\n[limits]\ndeadline_ms = 10000\n",
-    )
-    .unwrap();
+    install_slow_pool(dir);
     let cluster = |id: &str, amount: u64| allocate(id, "cluster", amount);
     let dag = vec![
         allocate("a1", "shared", 5),
@@ -401,17 +394,24 @@ impl Tally {
     }
 }
 
-#[test]
-fn a_run_killed_at_any_instant_resumes_to_all_or_nothing() {
-    let points = points(48);
+/// Kills and resumes `count` runs of `plans` (in turn) at seeded instants from `first` on;
+/// `kill_resume` says for which points the resume is killed once too.
+fn kill_points(first: u64, count: u64, plans: &[Plan], kill_resume: impl Fn(u64) -> bool) -> Tally {
     let dir = tempfile::tempdir().unwrap();
     setup(dir.path());
     let (mut tally, mut windows) = (Tally::default(), Windows::default());
-    for point in 0..points {
-        let plan = &PLANS[point as usize % PLANS.len()];
-        tally.add(plan, kill_and_resume(dir.path(), point, plan, windows.of(dir.path(), plan), false));
+    for point in first..first + count {
+        let plan = &plans[point as usize % plans.len()];
+        tally.add(plan, kill_and_resume(dir.path(), point, plan, windows.of(dir.path(), plan), kill_resume(point)));
     }
-    println!("{points} kill points: {tally:?}");
+    println!("{count} kill points: {tally:?}");
+    tally
+}
+
+#[test]
+fn a_run_killed_at_any_instant_resumes_to_all_or_nothing() {
+    let points = points(48);
+    let tally = kill_points(0, points, &PLANS, |_| false);
     // The seeded instants must catch runs mid-flight, both forward and compensating, and
     // injected faults must fire.
     assert!(tally.count("Forward") >= points as usize / 5, "{tally:?}");
@@ -421,31 +421,13 @@ fn a_run_killed_at_any_instant_resumes_to_all_or_nothing() {
 
 #[test]
 fn a_resume_killed_at_any_instant_resumes_again_to_all_or_nothing() {
-    let points = points(12);
-    let dir = tempfile::tempdir().unwrap();
-    setup(dir.path());
-    let (mut tally, mut windows) = (Tally::default(), Windows::default());
-    for point in 0..points {
-        // Other seeds than the main harness's.
-        let point = 10_000 + point;
-        let plan = &PLANS[point as usize % PLANS.len()];
-        tally.add(plan, kill_and_resume(dir.path(), point, plan, windows.of(dir.path(), plan), true));
-    }
-    println!("{points} kill points: {tally:?}");
+    // Other seeds than the main harness's.
+    kill_points(10_000, points(12), &PLANS, |_| true);
 }
 
 #[test]
 fn a_run_with_a_lost_reply_killed_at_any_instant_resumes_to_all_or_nothing() {
-    let points = points(12);
-    let dir = tempfile::tempdir().unwrap();
-    setup(dir.path());
-    let (mut tally, mut windows) = (Tally::default(), Windows::default());
-    for point in 0..points {
-        let point = 20_000 + point;
-        let plan = &LOST[point as usize % LOST.len()];
-        tally.add(plan, kill_and_resume(dir.path(), point, plan, windows.of(dir.path(), plan), point % 3 == 0));
-    }
-    println!("{points} kill points: {tally:?}");
+    let tally = kill_points(20_000, points(12), &LOST, |point| point % 3 == 0);
     assert!(tally.faulted.contains_key("failed"), "{tally:?}");
 }
 

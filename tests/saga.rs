@@ -850,15 +850,7 @@ async fn die_and_resume(
 
 /// The bundled plugins and `slow_pool` (the resources tools after sleeping `delay_ms`).
 async fn runtime_with_slow_pool(dir: &Path) -> Runtime {
-    let plugins = dir.join("plugins");
-    std::fs::create_dir_all(&plugins).unwrap();
-    std::fs::copy(artifact("slow_pool"), plugins.join("slow_pool.wasm")).unwrap();
-    std::fs::write(
-        plugins.join("slow_pool.policy.toml"),
-        "[store]\nwrite = [\"pools\", \"allocations\", \"executions\"]\n[limits]\ndeadline_ms = 10000\n",
-    )
-    .unwrap();
-    runtime_with(&[&plugins]).await
+    runtime_with(&[&install_slow_pool(dir)]).await
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -938,4 +930,21 @@ async fn a_resumed_run_suffers_the_faults_it_was_started_with() {
     assert_eq!(report.status, Status::Failed, "{:?}", report.error);
     assert_eq!(report.failed_step.as_deref(), Some("a2"));
     assert_eq!(backend.store.snapshot().digest(), pools().digest());
+}
+
+#[test]
+fn a_durable_run_is_cut_at_the_saga_time_out_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut definition = chain_of_allocations(3000);
+    definition["timeout"] = json!("20ms");
+    let saga = dir.path().join("long.json");
+    std::fs::write(&saga, json!({ "saga": definition }).to_string()).unwrap();
+    std::fs::write(dir.path().join("long.fixture.json"), pool_of(1_000_000).to_json().to_string()).unwrap();
+    let db = dir.path().join("runs.db");
+    let out = sagabox(&["run", saga.to_str().unwrap(), "--db", db.to_str().unwrap(), "--json"]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["status"], "timed_out", "{}", report["error"]);
+    let out = sagabox(&["state", "--db", db.to_str().unwrap(), "--digest"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), pool_of(1_000_000).digest());
 }

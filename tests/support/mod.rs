@@ -58,6 +58,20 @@ pub fn book_args(passengers: u64) -> Value {
     json!({ "flight_number": "HAT001", "date": "2024-05-16", "cabin": "economy", "passengers": passengers })
 }
 
+/// `DIR/plugins` with the `slow_pool` test plugin (the resources tools after sleeping
+/// `delay_ms`, recording every execution) and its policy; returns that directory.
+pub fn install_slow_pool(dir: &Path) -> PathBuf {
+    let plugins = dir.join("plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    std::fs::copy(artifact("slow_pool"), plugins.join("slow_pool.wasm")).unwrap();
+    std::fs::write(
+        plugins.join("slow_pool.policy.toml"),
+        "[store]\nwrite = [\"pools\", \"allocations\", \"executions\"]\n",
+    )
+    .unwrap();
+    plugins
+}
+
 /// The repository's `sagas/` directory.
 pub fn sagas_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../sagas")

@@ -801,3 +801,22 @@ fn classify(tool: &str, error: wasmtime::Error, store: &Store<CallState>, limits
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conflict_retries_back_off_at_random_up_to_32_ms_and_never_past_the_deadline() {
+        for runs in 1..=MAX_COMMIT_RUNS {
+            let ceiling = Duration::from_millis(1 << (runs - 1).min(5));
+            let waits: Vec<Duration> = (0..64).map(|_| conflict_backoff(runs, None)).collect();
+            assert!(waits.iter().all(|w| *w >= ceiling / 2 && *w <= ceiling), "{runs}: {waits:?}");
+            // Jittered: calls that collided do not all come back at the same instant.
+            assert!(waits.iter().any(|w| *w != waits[0]), "{runs}: {waits:?}");
+        }
+        let soon = Instant::now() + Duration::from_micros(100);
+        assert!(conflict_backoff(MAX_COMMIT_RUNS, Some(soon)) <= Duration::from_micros(100));
+        assert_eq!(conflict_backoff(3, Some(Instant::now())), Duration::ZERO);
+    }
+}
