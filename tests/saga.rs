@@ -522,14 +522,6 @@ async fn invalid_sagas_are_refused_naming_file_step_and_problem() {
     assert!(temp_saga(dir.path(), "allowed", allowed).await.is_ok());
 }
 
-fn sagabox(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_sagabox"))
-        .args(args)
-        .env("SAGABOX_CACHE_DIR", shared_cache())
-        .output()
-        .unwrap()
-}
-
 fn saga_path(name: &str) -> String {
     sagas_dir().join(format!("{name}.json")).display().to_string()
 }

@@ -48,14 +48,6 @@ fn data_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/verify")
 }
 
-fn sagabox(args: &[&str]) -> std::process::Output {
-    std::process::Command::new(env!("CARGO_BIN_EXE_sagabox"))
-        .args(args)
-        .env("SAGABOX_CACHE_DIR", shared_cache())
-        .output()
-        .unwrap()
-}
-
 fn shipped() -> Vec<std::path::PathBuf> {
     sagabox::saga::saga_files(&[sagas_dir()]).unwrap()
 }

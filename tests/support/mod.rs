@@ -72,6 +72,15 @@ pub fn install_slow_pool(dir: &Path) -> PathBuf {
     plugins
 }
 
+/// Runs the `sagabox` binary with the tests' shared compile cache.
+pub fn sagabox(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        .args(args)
+        .env("SAGABOX_CACHE_DIR", shared_cache())
+        .output()
+        .unwrap()
+}
+
 /// The repository's `sagas/` directory.
 pub fn sagas_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../sagas")
