@@ -280,8 +280,8 @@ impl Run<'_> {
                 (before.as_deref() != after.map(|a| &**a)).then(|| DocWrite {
                     ns: ns.to_string(),
                     key: key.to_string(),
-                    before: before.map(|t| t.to_string()),
-                    after: after.map(|t| t.to_string()),
+                    before,
+                    after: after.cloned(),
                 })
             })
             .collect();

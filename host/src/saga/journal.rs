@@ -84,8 +84,9 @@ pub struct Event {
 pub struct DocWrite {
     pub ns: String,
     pub key: String,
-    pub before: Option<String>,
-    pub after: Option<String>,
+    /// Shared with the store's own copy: recording a write copies no document.
+    pub before: Option<std::sync::Arc<str>>,
+    pub after: Option<std::sync::Arc<str>>,
 }
 
 impl Event {
