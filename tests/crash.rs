@@ -674,8 +674,10 @@ fn processes_mixing_read_only_steps_and_allocations_lose_no_update() {
     let state = db.current_state().unwrap();
     let (allocated, sum) = pool_and_allocations(&state, "shared");
     assert_eq!(allocated, sum, "the pool's counter disagrees with its allocations: an update was lost");
+    let runs = db.runs().unwrap();
+    assert_eq!(runs.len(), 6, "every process registered its run");
     let mut expected = 0;
-    for run in db.runs().unwrap() {
+    for run in runs {
         let ids = allocation_ids(&db, &run.run_id);
         let present = ids.iter().filter(|id| state.get("allocations", id).is_some()).count();
         if run.run_id.trim_start_matches('m').parse::<u32>().unwrap() % 2 == 0 {

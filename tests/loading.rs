@@ -480,3 +480,23 @@ async fn a_fifo_planted_at_a_cache_entry_does_not_hang_loading() {
     let loaded = tokio::time::timeout(std::time::Duration::from_secs(120), load_notes(plugins.path(), cache.path()));
     assert_eq!(loaded.await.expect("loading hung on a FIFO"), CompileSource::Compiled);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_policy_that_is_a_fifo_or_huge_is_reported_not_waited_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    install(d, "minimal", "piped", None);
+    let fifo = std::ffi::CString::new(d.join("piped.policy.toml").to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo.as_ptr(), 0o600) }, 0);
+    install(d, "minimal", "bloated", None);
+    std::fs::write(d.join("bloated.policy.toml"), format!("# {}\n", "x".repeat(1 << 20))).unwrap();
+    install(d, "minimal", "fine", None);
+    let options = RuntimeOptions { cache_dir: Some(shared_cache()), ..dir_options(d, None) };
+    let (runtime, errors) = Runtime::load_partial(options).await.unwrap();
+    let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    assert_eq!(errors.len(), 2, "{errors:?}");
+    assert!(errors.iter().any(|e| e.contains("piped.policy.toml") && e.contains("not a regular file")), "{errors:?}");
+    assert!(errors.iter().any(|e| e.contains("bloated.policy.toml") && e.contains("policy size")), "{errors:?}");
+    assert!(runtime.plugin("fine").is_some());
+}

@@ -182,13 +182,20 @@ impl Source {
         if !valid_name(&name) {
             return Err(LoadError::InvalidName { path: path.to_path_buf(), name });
         }
-        let wasm = read_capped(path, caps.max_file_bytes)?;
+        let wasm = read_capped(path, caps.max_file_bytes, "max_file_bytes")?;
         let policy_path = path.with_file_name(format!("{name}.policy.toml"));
-        let policy = match std::fs::read_to_string(&policy_path) {
-            Ok(text) => Policy::parse(&text, policy_path.parent())
-                .map_err(|reason| LoadError::InvalidPolicy { path: policy_path.clone(), reason })?,
+        let policy = match std::fs::symlink_metadata(&policy_path) {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Policy::default(),
-            Err(error) => return Err(LoadError::Io { path: policy_path, error }),
+            // Read like the `.wasm`: capped, regular files only, never blocking on a FIFO.
+            _ => {
+                let bytes = read_capped(&policy_path, MAX_POLICY_BYTES, "policy size (64 KiB)")?;
+                let text = String::from_utf8(bytes).map_err(|e| LoadError::InvalidPolicy {
+                    path: policy_path.clone(),
+                    reason: format!("not UTF-8: {e}"),
+                })?;
+                Policy::parse(&text, policy_path.parent())
+                    .map_err(|reason| LoadError::InvalidPolicy { path: policy_path.clone(), reason })?
+            }
         };
         Ok(Source { name, origin: Origin::File(path.to_path_buf()), wasm: wasm.into(), policy })
     }
@@ -248,7 +255,10 @@ pub(crate) fn check_structure(wasm: &[u8], path: &Path, caps: &LoadCaps) -> Resu
 
 /// The bytes of the regular file at `path`, refused over `limit` before reading; never
 /// blocks on a FIFO (it is refused as not a regular file).
-fn read_capped(path: &Path, limit: u64) -> Result<Vec<u8>, LoadError> {
+/// A policy file is a few lines of TOML.
+const MAX_POLICY_BYTES: u64 = 64 << 10;
+
+fn read_capped(path: &Path, limit: u64, cap: &'static str) -> Result<Vec<u8>, LoadError> {
     use std::io::Read;
     let io = |error| LoadError::Io { path: path.to_path_buf(), error };
     let mut options = std::fs::OpenOptions::new();
@@ -262,14 +272,14 @@ fn read_capped(path: &Path, limit: u64) -> Result<Vec<u8>, LoadError> {
     }
     if meta.len() > limit {
         let detail = format!("the file is {} bytes, more than {limit}", meta.len());
-        return Err(LoadError::OverCap { path: path.to_path_buf(), cap: "max_file_bytes", detail });
+        return Err(LoadError::OverCap { path: path.to_path_buf(), cap, detail });
     }
     let mut wasm = Vec::with_capacity(meta.len() as usize);
     // `take`: the file may grow between the check and the read.
     file.take(limit + 1).read_to_end(&mut wasm).map_err(io)?;
     if wasm.len() as u64 > limit {
         let detail = format!("the file grew past {limit} bytes while being read");
-        return Err(LoadError::OverCap { path: path.to_path_buf(), cap: "max_file_bytes", detail });
+        return Err(LoadError::OverCap { path: path.to_path_buf(), cap, detail });
     }
     Ok(wasm)
 }
