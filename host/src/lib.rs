@@ -6,6 +6,7 @@
 //! - [`store`]: the namespaced JSON documents tools act on, with snapshots, digests and diffs;
 //! - [`saga`]: sagas of tool calls, their execution and compensation;
 //! - [`verify`]: rollback verification campaigns;
+//! - [`serve`]: tools and sagas over MCP, an agent's session being a saga;
 //! - [`durable`]: the SQLite backend that lets a crashed run resume.
 
 pub mod durable;
@@ -13,6 +14,7 @@ pub mod ids;
 pub mod json;
 pub mod runtime;
 pub mod saga;
+pub mod serve;
 pub mod store;
 pub mod verify;
 

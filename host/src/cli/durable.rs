@@ -2,8 +2,10 @@
 
 use std::path::{Path, PathBuf};
 
+use anyhow::Context as _;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use sagabox::durable::{Durability, SqliteBackend};
+use sagabox::saga::session::{self, SESSION_SOURCE};
 use sagabox::saga::{self, RunOptions, Saga, Status};
 use sagabox::store::{State, fixture};
 
@@ -55,6 +57,12 @@ pub struct JournalArgs {
     #[command(flatten)]
     db: DbArgs,
     run_id: String,
+    /// Write the run (an agent's session, committed or aborted) as a saga file instead: its
+    /// calls as steps with their literal arguments and compensators, and beside it
+    /// `<stem>.fixture.json`, the store as it was before the run wrote to it. `sagabox
+    /// verify FILE` then puts the recorded trajectory through every fault.
+    #[arg(long, value_name = "FILE")]
+    as_saga: Option<PathBuf>,
 }
 
 #[derive(clap::Args)]
@@ -115,6 +123,20 @@ pub async fn resume(plugin_args: &PluginArgs, args: ResumeArgs) -> anyhow::Resul
             eprintln!("skipping run {}: its process {} is still alive (use --force)", record.run_id, record.pid);
             continue;
         }
+        if record.saga_path == SESSION_SOURCE {
+            // An agent's session: its client cannot come back, so its transaction is undone.
+            if !db.adopt_run(&record.run_id, record.pid)? {
+                eprintln!("skipping session {}: another process took it over", record.run_id);
+                continue;
+            }
+            let mut options = RunOptions::new(record.run_id.clone(), record.input.clone());
+            options.resume = db.events(&record.run_id)?;
+            let report = session::abort_interrupted(&runtime, &db, &record.saga, options).await;
+            // A session's resume succeeds when everything was undone.
+            all_completed &= report.compensation_failures.is_empty();
+            report_run(&report, args.json)?;
+            continue;
+        }
         // A run that cannot be rebuilt (its saga no longer validates against the loaded
         // plugins) is reported; the others are still resumed.
         let saga = match Saga::from_text(&record.definition, Path::new(&record.saga_path), &runtime) {
@@ -135,16 +157,21 @@ pub async fn resume(plugin_args: &PluginArgs, args: ResumeArgs) -> anyhow::Resul
         options.resume = db.events(&record.run_id)?;
         let report = saga::run(&runtime, &saga, &db, options).await;
         all_completed &= report.status == Status::Completed;
-        if args.json {
-            println!("{}", serde_json::to_string(&report)?);
-        } else {
-            print_summary(&report);
-        }
+        report_run(&report, args.json)?;
     }
     if !cannot.is_empty() {
         anyhow::bail!("{} run(s) left unfinished: {}", cannot.len(), cannot.join(", "));
     }
     Ok(if all_completed { Outcome::Success } else { Outcome::Failure })
+}
+
+fn report_run(report: &saga::RunReport, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
+    } else {
+        print_summary(report);
+    }
+    Ok(())
 }
 
 pub fn runs(args: RunsArgs) -> anyhow::Result<Outcome> {
@@ -176,9 +203,29 @@ pub fn journal(args: JournalArgs) -> anyhow::Result<Outcome> {
     if events.is_empty() && !db.runs()?.iter().any(|r| r.run_id == args.run_id) {
         anyhow::bail!("{}: no run '{}'", args.db.db.display(), args.run_id);
     }
+    if let Some(path) = &args.as_saga {
+        return export_saga(&db, &args.run_id, &events, path);
+    }
     for event in events {
         println!("{}", serde_json::to_string(&event)?);
     }
+    Ok(Outcome::Success)
+}
+
+/// `journal --as-saga`: the run as a saga file and its fixture.
+fn export_saga(db: &SqliteBackend, run_id: &str, events: &[saga::journal::Event], path: &Path) -> anyhow::Result<Outcome> {
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("session").to_string();
+    let definition = session::as_saga(&stem, events);
+    if definition["saga"]["steps"].as_array().is_none_or(|s| s.is_empty()) {
+        anyhow::bail!("run '{run_id}' made no call that completed or failed: there is nothing to export");
+    }
+    let before = session::state_before(events, &db.current_state()?)
+        .map_err(|e| anyhow::anyhow!("cannot rebuild the store before run '{run_id}': {e}"))?;
+    let fixture = path.with_file_name(format!("{stem}.fixture.json"));
+    std::fs::write(path, serde_json::to_string_pretty(&definition)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::write(&fixture, before.to_canonical_json()).with_context(|| format!("cannot write {}", fixture.display()))?;
+    eprintln!("wrote {} and {}", path.display(), fixture.display());
     Ok(Outcome::Success)
 }
 

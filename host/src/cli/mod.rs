@@ -10,6 +10,7 @@ mod durable;
 mod fixtures;
 mod plugins;
 mod run;
+mod serve;
 mod verify;
 
 use std::path::PathBuf;
@@ -118,6 +119,8 @@ enum Command {
     Validate(run::ValidateArgs),
     /// Run a rollback verification campaign over sagas; fails when any case fails.
     Verify(verify::Args),
+    /// Serve the plugins' tools (and sagas) to agents over MCP; a session is a saga.
+    Serve(serve::Args),
     /// Generate large seeded fixtures.
     #[command(subcommand)]
     Fixtures(fixtures::Command),
@@ -153,6 +156,7 @@ pub fn main() -> ExitCode {
             Command::Journal(args) => durable::journal(args),
             Command::State(args) => durable::state(args),
             Command::Verify(args) => verify::run(&cli.plugins, args).await,
+            Command::Serve(args) => serve::run(&cli.plugins, args).await,
             Command::Fixtures(command) => fixtures::run(command),
             Command::Bench(args) => bench::run(&cli.plugins, args).await,
         }

@@ -453,12 +453,7 @@ impl Runtime {
             tool: qualified.to_string(),
             message: format!("impossible limits: {reason}"),
         })?;
-        if let Some(errors) = tool.schema_errors(args) {
-            return Err(CallError::InvalidInput {
-                tool: qualified.to_string(),
-                message: format!("arguments do not match the tool's schema: {errors}"),
-            });
-        }
+        tool.check_args(qualified, args)?;
         if self.native_tools {
             return native::call(plugin, &tool.info.name, args, &options.context, limits, txn);
         }

@@ -85,6 +85,17 @@ impl Tool {
             .collect();
         (!errors.is_empty()).then(|| errors.join("; "))
     }
+
+    /// `args` checked against the schema, as the error a call with them returns.
+    pub fn check_args(&self, qualified: &str, args: &Value) -> Result<(), super::CallError> {
+        match self.schema_errors(args) {
+            None => Ok(()),
+            Some(errors) => Err(super::CallError::InvalidInput {
+                tool: qualified.to_string(),
+                message: format!("arguments do not match the tool's schema: {errors}"),
+            }),
+        }
+    }
 }
 
 /// A loaded plugin.

@@ -27,7 +27,7 @@ use super::backend::{Backend, CommitError};
 use super::binding::{self, Scope};
 use super::fault::{Fault, FaultPlan, Phase};
 use super::journal::{DocWrite, ErrorInfo, Event, EventKind, JournalSink};
-use super::plan::{PlannedStep, merge_args};
+use super::plan::{Plan, PlannedStep, merge_args};
 use super::report::{CompensationFailure, NetChange, RunReport, Status, StepReport, StepStatus};
 use crate::ids::idempotency_key;
 use crate::runtime::{
@@ -127,10 +127,18 @@ impl Progress {
         }
     }
 
+    fn is_done(&self, index: usize) -> bool {
+        self.done.get(index).copied().unwrap_or(false)
+    }
+
     /// Records a step that committed (`output: None` when its reply was lost).
     fn complete(&mut self, index: usize, id: &str, completed: Completed, output: Option<Value>) {
-        if self.done[index] {
+        if self.is_done(index) {
             return;
+        }
+        if index >= self.done.len() {
+            // A session's step, added after the run began.
+            self.done.resize(index + 1, false);
         }
         self.done[index] = true;
         let status = if completed.lost { StepStatus::Uncertain } else { StepStatus::Completed };
@@ -142,10 +150,56 @@ impl Progress {
     }
 }
 
+/// The steps a run knows: a saga file's plan, or a session's, which grows as its calls arrive.
+pub(super) enum Steps<'a> {
+    Planned(&'a Plan),
+    /// Appended to while calls run (`boxcar` hands out references that stay valid).
+    Arriving(boxcar::Vec<PlannedStep>),
+}
+
+impl Steps<'_> {
+    fn get(&self, index: usize) -> &PlannedStep {
+        match self {
+            Steps::Planned(plan) => &plan.steps[index],
+            Steps::Arriving(steps) => &steps[index],
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Steps::Planned(plan) => plan.steps.len(),
+            Steps::Arriving(steps) => steps.count(),
+        }
+    }
+
+    fn find(&self, id: &str) -> Option<(usize, &PlannedStep)> {
+        match self {
+            Steps::Planned(plan) => plan.step(id),
+            Steps::Arriving(steps) => {
+                // A session's `call-N` is usually its N-th step.
+                let guess = id.strip_prefix("call-").and_then(|n| n.parse::<usize>().ok()).and_then(|n| n.checked_sub(1));
+                match guess.and_then(|i| steps.get(i).map(|s| (i, s))) {
+                    Some((i, s)) if s.id == id => Some((i, s)),
+                    _ => steps.iter().find(|(_, s)| s.id == id),
+                }
+            }
+        }
+    }
+
+    /// The steps that depend on `index` directly (a session's calls depend on none).
+    fn dependants(&self, index: usize) -> &[usize] {
+        match self {
+            Steps::Planned(plan) => plan.dependants(index),
+            Steps::Arriving(_) => &[],
+        }
+    }
+}
+
 /// One run in progress.
-struct Run<'a> {
+pub(super) struct Run<'a> {
     runtime: &'a Runtime,
     saga: &'a Saga,
+    steps: Steps<'a>,
     backend: &'a dyn Backend,
     options: RunOptions,
     started: Instant,
@@ -189,19 +243,8 @@ pub async fn run(runtime: &Runtime, saga: &Saga, backend: &dyn Backend, options:
         // A resumed run suffers the faults it was started with (a campaign's or `--fault`'s).
         options.faults = faults;
     }
-    let prior = options.resume.clone();
-    let started = Instant::now();
-    let run = Run {
-        runtime,
-        saga,
-        backend,
-        deadline: saga.plan.timeout.and_then(|t| started.checked_add(t)),
-        parallel: !options.deterministic && options.max_concurrency > 1 && saga.plan.has_branches(),
-        options,
-        started,
-        events: Mutex::new(prior),
-        progress: Mutex::new(Progress::new(saga.plan.steps.len())),
-    };
+    let parallel = saga.plan.has_branches();
+    let run = Run::new(runtime, saga, Steps::Planned(&saga.plan), backend, options, parallel);
     run.execute().instrument(span).await
 }
 
@@ -209,9 +252,96 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-impl Run<'_> {
+impl<'a> Run<'a> {
+    /// `branches`: whether calls may overlap (a DAG, or a session's concurrent calls).
+    pub(super) fn new(
+        runtime: &'a Runtime,
+        saga: &'a Saga,
+        steps: Steps<'a>,
+        backend: &'a dyn Backend,
+        options: RunOptions,
+        branches: bool,
+    ) -> Run<'a> {
+        let started = Instant::now();
+        let count = steps.len();
+        Run {
+            runtime,
+            saga,
+            steps,
+            backend,
+            deadline: saga.plan.timeout.and_then(|t| started.checked_add(t)),
+            parallel: !options.deterministic && options.max_concurrency > 1 && branches,
+            events: Mutex::new(options.resume.clone()),
+            options,
+            started,
+            progress: Mutex::new(Progress::new(count)),
+        }
+    }
+
     fn step(&self, index: usize) -> &PlannedStep {
-        &self.saga.plan.steps[index]
+        self.steps.get(index)
+    }
+
+    /// Adds a step to a session's run; its index (`None` for a saga file's fixed plan).
+    pub(super) fn add_step(&self, step: PlannedStep) -> Option<usize> {
+        match &self.steps {
+            Steps::Arriving(steps) => Some(steps.push(step)),
+            Steps::Planned(_) => None,
+        }
+    }
+
+    pub(super) fn run_id(&self) -> &str {
+        &self.options.run_id
+    }
+
+    /// The output of a completed step.
+    pub(super) fn output_of(&self, id: &str) -> Option<Value> {
+        lock(&self.progress).outputs.get(id).cloned()
+    }
+
+    /// The completed step whose effect `key` names, with its output.
+    pub(super) fn completed_with_key(&self, key: &str) -> Option<(String, Value)> {
+        let progress = lock(&self.progress);
+        let (index, _) = progress.completed.iter().find(|(_, c)| c.key == key)?;
+        let id = &self.step(*index).id;
+        Some((id.clone(), progress.outputs.get(id).cloned().unwrap_or(Value::Null)))
+    }
+
+    /// The completed steps in completion order: step, arguments, output, idempotency key.
+    pub(super) fn completed_steps(&self) -> Vec<(&PlannedStep, Value, Option<Value>, String)> {
+        let progress = lock(&self.progress);
+        progress
+            .completed
+            .iter()
+            .map(|(i, c)| {
+                let step = self.step(*i);
+                (step, c.args.clone(), progress.outputs.get(&step.id).cloned(), c.key.clone())
+            })
+            .collect()
+    }
+
+    /// Takes the failure recorded by the last failed step: a session decides for itself
+    /// whether it ends the run.
+    pub(super) fn take_failure(&self) -> Option<ErrorInfo> {
+        lock(&self.progress).failure.take().map(|f| f.error)
+    }
+
+    /// Whether the run's deadline stopped a step.
+    pub(super) fn timed_out(&self) -> bool {
+        lock(&self.progress).timed_out
+    }
+
+    /// The result of an earlier delivery of the call `key` names, from the backend's cache.
+    pub(super) fn cached(&self, key: &str) -> Option<Value> {
+        self.blocking(|| self.backend.cached(key))
+    }
+
+    /// Records a call answered from the cache without becoming a step of this run.
+    pub(super) fn record_cached_reply(&self, id: &str, tool: &str, key: &str, output: &Value) {
+        let mut event = Event::new(EventKind::StepCompleted).step(id, tool).attempt(1, key);
+        event.replayed = Some(true);
+        event.duration_us = Some(0);
+        self.emit(event.data(output.clone()));
     }
 
     fn concurrency(&self) -> usize {
@@ -308,7 +438,7 @@ impl Run<'_> {
     /// Rebuilds the progress of an interrupted run from its journal.
     fn restore(&self) {
         for event in &self.options.resume {
-            let Some((index, step)) = event.step.as_deref().and_then(|id| self.saga.plan.step(id)) else {
+            let Some((index, step)) = event.step.as_deref().and_then(|id| self.steps.find(id)) else {
                 if event.event == EventKind::CompensationTriggered {
                     lock(&self.progress).compensating = event.error.clone();
                 }
@@ -345,7 +475,7 @@ impl Run<'_> {
     }
 
     fn restore_completed(&self, index: usize, step: &PlannedStep, event: &Event, lost: bool) {
-        if lock(&self.progress).done[index] {
+        if lock(&self.progress).is_done(index) {
             return;
         }
         // Arguments are bound again: binding is deterministic given the input and the
@@ -359,7 +489,7 @@ impl Run<'_> {
     }
 
     /// Records the run's start, or rebuilds an interrupted run and records its resumption.
-    fn begin(&self) {
+    pub(super) fn begin(&self) {
         if self.options.resume.is_empty() {
             self.emit(Event::new(EventKind::SagaStarted).data(json!({
                 "saga": self.saga.name,
@@ -384,15 +514,23 @@ impl Run<'_> {
         if !decided {
             self.forward().await;
         }
-        let (error, failure, completed) = {
+        let error = {
             let progress = lock(&self.progress);
-            let failure = progress.failure.clone();
-            let error = progress
+            progress
                 .compensating
                 .clone()
-                .or_else(|| failure.as_ref().map(|f| f.error.clone()))
-                .or_else(|| progress.timed_out.then(|| self.timeout_error()));
-            (error, failure, progress.completed.clone())
+                .or_else(|| progress.failure.as_ref().map(|f| f.error.clone()))
+                .or_else(|| progress.timed_out.then(|| self.timeout_error()))
+        };
+        self.finish(error).await
+    }
+
+    /// Ends the run: its output when nothing went wrong, else the compensation of every
+    /// completed step because of `error`; the final record; the report.
+    pub(super) async fn finish(&self, error: Option<ErrorInfo>) -> RunReport {
+        let (failure, completed) = {
+            let progress = lock(&self.progress);
+            (progress.failure.clone(), progress.completed.clone())
         };
         let mut output = None;
         let mut error = error;
@@ -438,7 +576,7 @@ impl Run<'_> {
         }
     }
 
-    fn timeout_error(&self) -> ErrorInfo {
+    pub(super) fn timeout_error(&self) -> ErrorInfo {
         let limit = self.saga.plan.timeout.unwrap_or_default();
         ErrorInfo {
             code: SAGA_TIMEOUT.into(),
@@ -451,13 +589,13 @@ impl Run<'_> {
     /// or the deadline passed (steps in flight then finish, and are compensated if they
     /// completed).
     async fn forward(&self) {
-        let plan = &self.saga.plan;
+        let count = self.steps.len();
         let (mut waiting, mut ready) = {
             let progress = lock(&self.progress);
-            let waiting: Vec<usize> =
-                plan.steps.iter().map(|s| s.deps.iter().filter(|&&d| !progress.done[d]).count()).collect();
-            let ready: BTreeSet<usize> =
-                (0..plan.steps.len()).filter(|&i| !progress.done[i] && waiting[i] == 0).collect();
+            let waiting: Vec<usize> = (0..count)
+                .map(|i| self.step(i).deps.iter().filter(|&&d| !progress.is_done(d)).count())
+                .collect();
+            let ready: BTreeSet<usize> = (0..count).filter(|&i| !progress.is_done(i) && waiting[i] == 0).collect();
             (waiting, ready)
         };
         let mut running = FuturesUnordered::new();
@@ -472,7 +610,7 @@ impl Run<'_> {
             }
             let Some((i, completed)) = running.next().await else { break };
             if completed {
-                for &j in plan.dependants(i) {
+                for &j in self.steps.dependants(i) {
                     waiting[j] -= 1;
                     if waiting[j] == 0 {
                         ready.insert(j);
@@ -483,7 +621,7 @@ impl Run<'_> {
     }
 
     /// Binds, calls (with retries) and records one forward step; whether it completed.
-    async fn forward_step(&self, index: usize) -> bool {
+    pub(super) async fn forward_step(&self, index: usize) -> bool {
         let step = self.step(index);
         let span = tracing::info_span!("step", step = %step.id, tool = %step.tool);
         self.forward_attempts(index, step).instrument(span).await
@@ -498,7 +636,7 @@ impl Run<'_> {
                 return false;
             }
         };
-        let key = idempotency_key(&self.options.run_id, &step.id, &step.tool, &args);
+        let key = step.key.clone().unwrap_or_else(|| idempotency_key(&self.options.run_id, &step.id, &step.tool, &args));
         let call = Call {
             step,
             phase: Phase::Action,
@@ -512,9 +650,9 @@ impl Run<'_> {
         loop {
             attempt += 1;
             lock(&self.progress).attempts.insert((index, Phase::Action), attempt);
-            self.emit(
-                Event::new(EventKind::StepStarted).step(&step.id, &step.tool).attempt(attempt, &key).data(args.clone()),
-            );
+            let mut started = Event::new(EventKind::StepStarted).step(&step.id, &step.tool).attempt(attempt, &key);
+            started.compensator = step.compensator.as_ref().map(|c| c.tool.clone());
+            self.emit(started.data(args.clone()));
             let outcome = self.attempt(&call, attempt, fault).await;
             match outcome {
                 Attempt::Delivered { output } => {
@@ -757,7 +895,7 @@ impl Run<'_> {
         completed: &[(usize, Completed)],
         reason: &ErrorInfo,
     ) -> (Vec<String>, Vec<CompensationFailure>) {
-        let plan = &self.saga.plan;
+        let steps = &self.steps;
         let (resumed, before) = {
             let progress = lock(&self.progress);
             (progress.compensating.is_some(), progress.compensated_before.clone())
@@ -766,30 +904,30 @@ impl Run<'_> {
             let ids: Vec<&str> = completed
                 .iter()
                 .rev()
-                .filter(|(i, _)| plan.steps[*i].compensator.is_some())
-                .map(|(i, _)| plan.steps[*i].id.as_str())
+                .filter(|(i, _)| steps.get(*i).compensator.is_some())
+                .map(|(i, _)| steps.get(*i).id.as_str())
                 .collect();
             self.emit(Event::new(EventKind::CompensationTriggered).error(reason.clone()).data(json!({ "steps": ids })));
         }
 
         // Position of each step in completion order; only completed steps take part.
-        let mut position: Vec<Option<usize>> = vec![None; plan.steps.len()];
+        let mut position: Vec<Option<usize>> = vec![None; steps.len()];
         for (p, (i, _)) in completed.iter().enumerate() {
             position[*i] = Some(p);
         }
         // How many completed dependants each step still waits for.
-        let mut waiting: Vec<usize> = (0..plan.steps.len())
-            .map(|i| plan.dependants(i).iter().filter(|&&j| position[j].is_some()).count())
+        let mut waiting: Vec<usize> = (0..steps.len())
+            .map(|i| steps.dependants(i).iter().filter(|&&j| position[j].is_some()).count())
             .collect();
         // The latest completed first.
         let mut ready: BinaryHeap<usize> =
             completed.iter().enumerate().filter(|(_, (i, _))| waiting[*i] == 0).map(|(p, _)| p).collect();
         let finished_before: BTreeSet<usize> = before.iter().copied().collect();
-        let mut compensated: Vec<String> = before.iter().map(|i| plan.steps[*i].id.clone()).collect();
+        let mut compensated: Vec<String> = before.iter().map(|i| steps.get(*i).id.clone()).collect();
         let mut failures = Vec::new();
         let mut running = FuturesUnordered::new();
         let release = |i: usize, waiting: &mut Vec<usize>, ready: &mut BinaryHeap<usize>| {
-            for &d in &plan.steps[i].deps {
+            for &d in &steps.get(i).deps {
                 if let Some(p) = position[d] {
                     waiting[d] -= 1;
                     if waiting[d] == 0 {
@@ -798,11 +936,14 @@ impl Run<'_> {
                 }
             }
         };
+        // A session's calls are undone one at a time, the latest first: the agent chose each
+        // call knowing the ones before it, as if each depended on them.
+        let concurrency = if matches!(steps, Steps::Arriving(_)) { 1 } else { self.concurrency() };
         loop {
-            while running.len() < self.concurrency() {
+            while running.len() < concurrency {
                 let Some(p) = ready.pop() else { break };
                 let (i, forward) = &completed[p];
-                if plan.steps[*i].compensator.is_none() || finished_before.contains(i) {
+                if steps.get(*i).compensator.is_none() || finished_before.contains(i) {
                     // Nothing to undo (now): its dependencies need not wait for it.
                     release(*i, &mut waiting, &mut ready);
                     continue;
@@ -810,7 +951,7 @@ impl Run<'_> {
                 running.push(async move { (*i, self.compensate_step(*i, forward).await) });
             }
             let Some((i, result)) = running.next().await else { break };
-            let step = &plan.steps[i];
+            let step = steps.get(i);
             let status = match result {
                 Ok(()) => {
                     compensated.push(step.id.clone());
@@ -908,11 +1049,8 @@ impl Run<'_> {
 
     fn step_reports(&self) -> Vec<StepReport> {
         let progress = lock(&self.progress);
-        self.saga
-            .plan
-            .steps
-            .iter()
-            .enumerate()
+        (0..self.steps.len())
+            .map(|i| (i, self.step(i)))
             .map(|(i, s)| StepReport {
                 id: s.id.clone(),
                 tool: s.tool.clone(),

@@ -60,6 +60,9 @@ pub struct Event {
     pub step: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool: Option<String>,
+    /// The step's compensator (step started events): a resumed session knows what undoes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compensator: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attempt: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -99,6 +102,7 @@ impl Event {
             at_us: 0,
             step: None,
             tool: None,
+            compensator: None,
             attempt: None,
             idempotency_key: None,
             duration_us: None,

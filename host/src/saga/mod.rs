@@ -6,7 +6,8 @@
 //! - [`engine`]: execution, retries, time-outs, idempotency and compensation;
 //! - [`journal`], [`report`]: what a run records and returns;
 //! - [`fault`]: faults a run can be told to suffer;
-//! - [`backend`]: where a run's state, result cache and journal commit.
+//! - [`backend`]: where a run's state, result cache and journal commit;
+//! - [`session`]: sagas whose steps arrive one call at a time (an agent's session).
 
 pub mod backend;
 pub mod binding;
@@ -16,6 +17,7 @@ pub mod fault;
 pub mod journal;
 pub mod plan;
 pub mod report;
+pub mod session;
 
 use std::path::{Path, PathBuf};
 

@@ -38,6 +38,9 @@ pub struct PlannedStep {
     pub retry: RetryPolicy,
     pub timeout: Option<Duration>,
     pub limits: LimitOverrides,
+    /// The idempotency key, when fixed in advance (a session call whose client named one);
+    /// otherwise derived from the run, the step and the arguments.
+    pub key: Option<String>,
 }
 
 /// A validated saga.
@@ -55,6 +58,20 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The plan of a session: no steps yet (they arrive one call at a time), a time-out, and
+    /// the default compensation retries.
+    pub fn for_session(timeout: Option<Duration>) -> Plan {
+        Plan {
+            steps: Vec::new(),
+            timeout,
+            output: None,
+            ledgers: Vec::new(),
+            compensation_retry: RetryPolicy::compensation(),
+            index: HashMap::new(),
+            dependants: Vec::new(),
+        }
+    }
+
     pub fn step(&self, id: &str) -> Option<(usize, &PlannedStep)> {
         self.index.get(id).map(|&i| (i, &self.steps[i]))
     }
@@ -415,6 +432,7 @@ fn plan_step(
         retry: step.retry.clone().unwrap_or_default(),
         timeout: step.timeout.map(|t| t.0),
         limits,
+        key: None,
     })
 }
 

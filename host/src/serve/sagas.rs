@@ -1,0 +1,103 @@
+//! Saga tools: `saga_<name>` runs a whole saga of `--sagas DIR` with the call's arguments as
+//! its input, compensating on failure, and answers with its report. Each completed step
+//! and compensation is a progress notification when the client asked for progress.
+
+use std::sync::Arc;
+
+use rmcp::model::{CallToolResult, ProgressNotificationParam, ProgressToken};
+use rmcp::service::{Peer, RequestContext, RoleServer};
+use serde_json::{Value, json};
+
+use super::Server;
+use super::handler::{error_result, ok_result};
+use crate::durable::RunRecord;
+use crate::saga::journal::{Event, EventKind, JournalSink};
+use crate::saga::{self, RunOptions, Saga, Status};
+
+/// Sends a progress notification for every step or compensation that completes.
+struct Progress {
+    peer: Peer<RoleServer>,
+    token: ProgressToken,
+    total: f64,
+    done: std::sync::atomic::AtomicU64,
+}
+
+impl JournalSink for Progress {
+    fn append(&self, events: &[Event]) {
+        for event in events {
+            let what = match event.event {
+                EventKind::StepCompleted => "completed",
+                EventKind::CompensationCompleted => "compensated",
+                _ => continue,
+            };
+            let done = self.done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            let mut param = ProgressNotificationParam::new(self.token.clone(), done as f64);
+            param.total = Some(self.total);
+            param.message = Some(format!("{what} {}", event.step.as_deref().unwrap_or("?")));
+            let peer = self.peer.clone();
+            // The journal is written synchronously; the notification goes out on its own.
+            tokio::spawn(async move {
+                let _ = peer.notify_progress(param).await;
+            });
+        }
+    }
+}
+
+pub async fn run(server: &Server, saga: &Arc<Saga>, input: Value, context: &RequestContext<RoleServer>) -> CallToolResult {
+    let context_ref = &server.transactions.context();
+    let mut options = RunOptions::new(crate::ids::new_run_id(), input);
+    options.seed = rand::random();
+    if let Some(token) = context.meta.get_progress_token() {
+        options.journal = Some(Arc::new(Progress {
+            peer: context.peer.clone(),
+            token,
+            total: saga.plan.steps.len() as f64,
+            done: Default::default(),
+        }));
+    }
+    if let Some(registry) = &context_ref.registry {
+        let registered = registry.register_run(&RunRecord {
+            run_id: options.run_id.clone(),
+            saga: saga.name.clone(),
+            saga_path: saga.path.display().to_string(),
+            definition: std::fs::read_to_string(&saga.path).unwrap_or_default(),
+            input: options.input.clone(),
+            seed: options.seed,
+            status: "running".into(),
+            pid: std::process::id(),
+            started_ms: 0,
+            finished_ms: None,
+        });
+        if let Err(e) = registered {
+            return error_result(&e.to_string(), json!({ "error": { "code": "host", "message": e.to_string() } }));
+        }
+    }
+    let report = saga::run(&context_ref.runtime, saga, &*context_ref.backend, options).await;
+    let summary = json!({
+        "run_id": report.run_id,
+        "saga": report.saga,
+        "status": report.status,
+        "output": report.output,
+        "failed_step": report.failed_step,
+        "error": report.error,
+        "compensated": report.compensated,
+        "compensation_failures": report.compensation_failures,
+        "steps": report.steps,
+        "changes": report.changes,
+    });
+    if report.status == Status::Completed {
+        ok_result(summary, Default::default())
+    } else {
+        let message = match (&report.failed_step, &report.error) {
+            (Some(step), Some(e)) => format!(
+                "saga {} {} at step '{step}': {}; compensated: {}",
+                report.saga,
+                report.status.as_str(),
+                e.message,
+                report.compensated.join(", ")
+            ),
+            _ => format!("saga {} {}", report.saga, report.status.as_str()),
+        };
+        error_result(&message, summary)
+    }
+}
