@@ -172,6 +172,18 @@ pub fn resolve(template: &Value, scope: &Scope) -> Result<Value, BindingError> {
     }
 }
 
+/// A template that stands for `value` itself: `value` with every object that would read as
+/// a binding (or a `$literal`) wrapped in `$literal`, and nothing else changed.
+pub fn literal(value: &Value) -> Value {
+    let special = |map: &Map<String, Value>| map.len() == 1 && (map.contains_key("$literal") || binding_of(value).is_some());
+    match value {
+        Value::Object(map) if special(map) => serde_json::json!({ "$literal": value }),
+        Value::Object(map) => Value::Object(map.iter().map(|(k, v)| (k.clone(), literal(v))).collect()),
+        Value::Array(items) => Value::Array(items.iter().map(literal).collect()),
+        other => other.clone(),
+    }
+}
+
 /// Every binding in `template`, parsed (or the error of one that does not parse).
 pub fn references(template: &Value) -> Vec<Result<BindingPath, BindingError>> {
     let mut out = Vec::new();
@@ -240,6 +252,17 @@ mod tests {
                     "escaped": { "path": "$.not.a.binding" }, "count": 2 })
         );
         assert_eq!(references(&template).len(), 3);
+    }
+
+    #[test]
+    fn literals_stand_for_themselves_however_they_look() {
+        let value = json!({ "a": { "path": "$.input.x" }, "b": [{ "$literal": 1 }, { "path": 3 }], "c": "$.input.y" });
+        let template = literal(&value);
+        let (input, steps) = scope_values();
+        assert_eq!(resolve(&template, &Scope { input: &input, steps: &steps }).unwrap(), value);
+        assert!(references(&template).is_empty());
+        // Nothing that needs no escape is wrapped.
+        assert_eq!(literal(&json!({ "flight": "HAT001", "n": 2 })), json!({ "flight": "HAT001", "n": 2 }));
     }
 
     #[test]

@@ -279,7 +279,11 @@ pub fn as_saga(name: &str, journal: &[Event]) -> Value {
         .iter()
         .filter_map(|id| by_id.get(id).copied())
         .map(|step| {
-            let mut def = json!({ "id": step.id, "action": { "name": step.tool, "arguments": step.arguments } });
+            // A session step's arguments are `{"$literal": args}`; written out, only what would
+            // read as a binding is escaped.
+            let args = step.arguments.get("$literal").unwrap_or(&step.arguments);
+            let arguments = super::binding::literal(args);
+            let mut def = json!({ "id": step.id, "action": { "name": step.tool, "arguments": arguments } });
             match &step.compensator {
                 Some(c) => def["compensate"] = json!({ "name": c.tool }),
                 None => def["no_compensation"] = json!(true),

@@ -5,12 +5,14 @@
 //! - [`handler`]: one connection, routing calls to transactions;
 //! - [`transaction`]: an agent's open saga, one task each;
 //! - [`sagas`]: `saga_<name>` tools, each running a whole saga;
+//! - [`stdio`]: line framing in front of rmcp, answering what it would drop;
 //! - [`http`]: the Streamable HTTP transport.
 
 pub mod catalog;
 pub mod handler;
 pub mod http;
 pub mod sagas;
+pub mod stdio;
 pub mod transaction;
 
 use std::sync::Arc;
@@ -73,7 +75,8 @@ impl Server {
     /// it left open (compensating them, unless `--on-disconnect keep`).
     pub async fn serve_stdio(self: &Arc<Self>) -> Result<(), ServeError> {
         let connection = Connection::new(Arc::clone(self), Transport::Stdio);
-        let running = connection.clone().serve(rmcp::transport::stdio()).await.map_err(|e| ServeError::Stdio(e.to_string()))?;
+        let pipes = stdio::framed(tokio::io::stdin(), tokio::io::stdout());
+        let running = connection.clone().serve(pipes).await.map_err(|e| ServeError::Stdio(e.to_string()))?;
         let quit = running.waiting().await;
         connection.close().await;
         quit.map(drop).map_err(|e| ServeError::Stdio(e.to_string()))
