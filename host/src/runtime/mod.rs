@@ -30,7 +30,17 @@ pub use error::{CallError, FailureKind, LoadError};
 pub use operator::{Grant, Operator, OperatorError};
 pub use plugin::{BundledPlugin, LoadCaps, Origin, Plugin, Tool, ToolInfo, valid_name};
 pub use policy::{LimitOverrides, Limits, Policy};
-pub use sandbox::InjectedFault;
+pub use sandbox::{InjectedFault, LogLevel, LogSink};
+
+tokio::task_local! {
+    /// Where plugin log messages of calls made inside [`forwarding_logs`] also go.
+    static PLUGIN_LOGS: Arc<dyn LogSink>;
+}
+
+/// Runs `work` with the log messages of the plugin calls it makes also sent to `sink`.
+pub async fn forwarding_logs<F: std::future::Future>(sink: Arc<dyn LogSink>, work: F) -> F::Output {
+    PLUGIN_LOGS.scope(sink, work).await
+}
 
 use crate::store::{Change, Conflict, MemoryStore, State, Txn};
 use engine::Engines;
@@ -462,6 +472,7 @@ impl Runtime {
         let mut state = CallState::new(plugin.grants.clone(), qualified.into(), limits, working, options.seed)
             .map_err(host_error)?;
         state.armed = options.fault;
+        state.log_sink = PLUGIN_LOGS.try_with(Arc::clone).ok();
         let mut store = self.new_store(pre.engine(), state, limits);
         let context = bindings::exports::sagabox::plugin::tool::CallContext {
             saga_id: options.context.saga_id.clone(),

@@ -219,6 +219,23 @@ pub(crate) struct CallState {
     pub abort: Option<Abort>,
     pub stderr: StderrHead,
     log_budget: usize,
+    /// Where the plugin's log messages also go (an MCP client's logging notifications).
+    pub log_sink: Option<Arc<dyn LogSink>>,
+}
+
+/// How much a plugin's log message matters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    Trace,
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+/// Receives plugin log messages besides the host's own log.
+pub trait LogSink: Send + Sync {
+    fn log(&self, level: LogLevel, tool: &str, message: &str);
 }
 
 impl WasiView for CallState {
@@ -301,6 +318,7 @@ impl CallState {
             abort: None,
             stderr,
             log_budget: LOG_BUDGET,
+            log_sink: None,
         })
     }
 
@@ -486,12 +504,22 @@ fn add_log(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
             let cut = (0..=cut).rev().find(|i| message.is_char_boundary(*i)).unwrap_or(0);
             state.log_budget -= cut;
             let (tool, message) = (&*state.tool, &message[..cut]);
+            let level = match level {
+                Level::Trace => LogLevel::Trace,
+                Level::Debug => LogLevel::Debug,
+                Level::Info => LogLevel::Info,
+                Level::Warn => LogLevel::Warn,
+                Level::Error => LogLevel::Error,
+            };
             match level {
-                Level::Trace => tracing::trace!(target: "plugin", tool, "{message}"),
-                Level::Debug => tracing::debug!(target: "plugin", tool, "{message}"),
-                Level::Info => tracing::info!(target: "plugin", tool, "{message}"),
-                Level::Warn => tracing::warn!(target: "plugin", tool, "{message}"),
-                Level::Error => tracing::error!(target: "plugin", tool, "{message}"),
+                LogLevel::Trace => tracing::trace!(target: "plugin", tool, "{message}"),
+                LogLevel::Debug => tracing::debug!(target: "plugin", tool, "{message}"),
+                LogLevel::Info => tracing::info!(target: "plugin", tool, "{message}"),
+                LogLevel::Warn => tracing::warn!(target: "plugin", tool, "{message}"),
+                LogLevel::Error => tracing::error!(target: "plugin", tool, "{message}"),
+            }
+            if let Some(sink) = &state.log_sink {
+                sink.log(level, tool, message);
             }
             Ok(())
         },

@@ -21,7 +21,8 @@ use serde_json::{Map, Value, json};
 
 use super::Server;
 use super::catalog::{Control, Entry, TRANSACTION_ARG};
-use super::transaction::{CallReply, Ending, OnDisconnect, Transaction, ending_reason};
+use super::logging;
+use super::transaction::{CallReply, CallRequest, Ending, OnDisconnect, Transaction, ending_reason};
 use crate::saga::definition::DurationSpec;
 use crate::saga::journal::ErrorInfo;
 
@@ -57,6 +58,8 @@ pub struct ConnectionState {
     current: Mutex<Option<Transaction>>,
     /// Transactions begun on this connection: they end with it.
     owned: Mutex<Vec<Transaction>>,
+    /// The least severe plugin log level the client asked for (`logging/setLevel`).
+    log_level: Mutex<Option<logging::Rank>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -70,6 +73,7 @@ impl Connection {
             transport,
             current: Mutex::new(None),
             owned: Mutex::new(Vec::new()),
+            log_level: Mutex::new(None),
         }))
     }
 
@@ -145,7 +149,14 @@ impl Connection {
                 Err(e) => return error_result(&e.to_string(), json!({ "error": { "code": "host", "message": e.to_string() } })),
             },
         };
-        let reply = transaction.call(tool.to_string(), args, key, context.ct.clone()).await;
+        let request = CallRequest {
+            tool: tool.to_string(),
+            args,
+            client_key: key,
+            cancel: context.ct.clone(),
+            log: logging::sink_for(&context, *lock(&self.log_level)),
+        };
+        let reply = transaction.call(request).await;
         if single {
             // A request of its own: kept when it succeeded, undone (nothing) when not.
             let succeeded = matches!(reply, Ok(CallReply::Completed { .. }));
@@ -276,8 +287,10 @@ async fn end_abandoned(server: &Server, open: Vec<Transaction>) {
 }
 
 impl rmcp::ServerHandler for Connection {
+    // Logging is deprecated by SEP-2577, still used by 2025 clients (see `logging`).
+    #[allow(deprecated)]
     fn get_info(&self) -> ServerConfig {
-        let capabilities = ServerCapabilities::builder().enable_tools().build();
+        let capabilities = ServerCapabilities::builder().enable_tools().enable_logging().build();
         ServerConfig::new(capabilities)
             .with_server_info(Implementation::new("sagabox", env!("CARGO_PKG_VERSION")))
             .with_instructions(
@@ -285,6 +298,16 @@ impl rmcp::ServerHandler for Connection {
                  compensator and undone if a call fails, on saga_abort, or if the client goes away. Use \
                  saga_begin/saga_commit/saga_abort/saga_status to control it.",
             )
+    }
+
+    #[allow(deprecated)]
+    async fn set_level(
+        &self,
+        request: rmcp::model::SetLevelRequestParams,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<(), McpError> {
+        *lock(&self.log_level) = Some(logging::rank(request.level));
+        Ok(())
     }
 
     async fn list_tools(

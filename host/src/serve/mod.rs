@@ -6,11 +6,13 @@
 //! - [`transaction`]: an agent's open saga, one task each;
 //! - [`sagas`]: `saga_<name>` tools, each running a whole saga;
 //! - [`stdio`]: line framing in front of rmcp, answering what it would drop;
-//! - [`http`]: the Streamable HTTP transport.
+//! - [`http`]: the Streamable HTTP transport;
+//! - [`logging`]: plugin log messages as MCP logging notifications.
 
 pub mod catalog;
 pub mod handler;
 pub mod http;
+pub mod logging;
 pub mod sagas;
 pub mod stdio;
 pub mod transaction;

@@ -19,7 +19,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::durable::{RunRecord, SqliteBackend};
-use crate::runtime::{FailureKind, Runtime};
+use crate::runtime::{FailureKind, LogSink, Runtime, forwarding_logs};
 use crate::saga::journal::ErrorInfo;
 use crate::saga::report::{CompensationFailure, RunReport};
 use crate::saga::session::{self, CallOutcome, SESSION_SOURCE, Session, SessionStep};
@@ -94,9 +94,22 @@ pub struct Status {
 }
 
 enum Command {
-    Call { tool: String, args: Value, client_key: Option<String>, cancel: CancellationToken, reply: oneshot::Sender<CallReply> },
+    Call(CallRequest, oneshot::Sender<CallReply>),
     End { commit: bool, reason: Option<ErrorInfo>, reply: oneshot::Sender<Ending> },
     Status { reply: oneshot::Sender<Status> },
+}
+
+/// One call, as a transaction takes it.
+pub struct CallRequest {
+    /// `<plugin>.<tool>`.
+    pub tool: String,
+    pub args: Value,
+    /// The idempotency key the client named, if it did.
+    pub client_key: Option<String>,
+    /// Cancelled when the client cancels the request: the call stops and writes nothing.
+    pub cancel: CancellationToken,
+    /// Where the plugin's log messages also go.
+    pub log: Option<Arc<dyn LogSink>>,
 }
 
 /// A handle on a running transaction; cheap to clone.
@@ -117,15 +130,9 @@ impl Transaction {
         !self.commands.is_closed()
     }
 
-    pub async fn call(
-        &self,
-        tool: String,
-        args: Value,
-        client_key: Option<String>,
-        cancel: CancellationToken,
-    ) -> Result<CallReply, Closed> {
+    pub async fn call(&self, request: CallRequest) -> Result<CallReply, Closed> {
         let (reply, answer) = oneshot::channel();
-        self.send(Command::Call { tool, args, client_key, cancel, reply })?;
+        self.send(Command::Call(request, reply))?;
         answer.await.map_err(|_| self.closed())
     }
 
@@ -250,18 +257,9 @@ async fn drive(
                 idle_until = Instant::now() + context.idle_timeout;
                 match command {
                     None => break (false, Some(ending_reason("closed", "the transaction's handle was dropped")), Waiter::None),
-                    Some(Command::Call { tool, args, client_key, cancel, reply }) => {
+                    Some(Command::Call(request, reply)) => {
                         let session = &session;
-                        running.push(async move {
-                            let outcome = tokio::select! {
-                                outcome = session.call(&tool, args, client_key.as_deref()) => outcome,
-                                () = cancel.cancelled() => CallOutcome::Failed {
-                                    step: None,
-                                    error: ending_reason("cancelled", format!("{tool}: the request was cancelled; it wrote nothing")),
-                                },
-                            };
-                            (outcome, reply)
-                        });
+                        running.push(async move { (run_call(session, request).await, reply) });
                     }
                     Some(Command::End { commit, reason, reply }) => break (commit, reason, Waiter::End(reply)),
                     Some(Command::Status { reply }) => {
@@ -326,6 +324,25 @@ enum Waiter {
     End(oneshot::Sender<Ending>),
     /// The failed call that ended it.
     Call(oneshot::Sender<CallReply>, Option<String>, Option<ErrorInfo>),
+}
+
+/// One call of the session, stopped if its request is cancelled.
+async fn run_call(session: &Session<'_>, request: CallRequest) -> CallOutcome {
+    let CallRequest { tool, args, client_key, cancel, log } = request;
+    let call = session.call(&tool, args, client_key.as_deref());
+    let call = async {
+        match log {
+            Some(sink) => forwarding_logs(sink, call).await,
+            None => call.await,
+        }
+    };
+    tokio::select! {
+        outcome = call => outcome,
+        () = cancel.cancelled() => CallOutcome::Failed {
+            step: None,
+            error: ending_reason("cancelled", format!("{tool}: the request was cancelled; it wrote nothing")),
+        },
+    }
 }
 
 async fn sleep_until(deadline: Option<Instant>) {
