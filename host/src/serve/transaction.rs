@@ -212,10 +212,7 @@ impl Transactions {
         let transaction = Transaction { id: id.clone(), name: name.clone(), commands };
         lock(&self.open).insert(id.clone(), transaction.clone());
         let owner = Arc::clone(self);
-        tokio::spawn(async move {
-            drive(&owner.context, &id, &name, timeout, inbox).await;
-            lock(&owner.open).remove(&id);
-        });
+        tokio::spawn(async move { drive(&owner, &id, &name, timeout, inbox).await });
         Ok(transaction)
     }
 
@@ -238,12 +235,13 @@ pub fn ending_reason(code: &str, message: impl Into<String>) -> ErrorInfo {
 
 /// A transaction's life: takes commands until it ends, then commits or compensates.
 async fn drive(
-    context: &Context,
+    owner: &Transactions,
     id: &str,
     name: &str,
     timeout: Option<Duration>,
     mut inbox: mpsc::UnboundedReceiver<Command>,
 ) {
+    let context = &*owner.context;
     let shell = session::shell(name, timeout);
     let options = RunOptions::new(id, json!({}));
     let session = Session::open(&context.runtime, &shell, &*context.backend, options);
@@ -290,6 +288,9 @@ async fn drive(
     }
     let report = if commit { session.commit().await } else { session.abort(reason.clone().unwrap_or_else(|| ending_reason("aborted", "aborted"))).await };
     let ending = ending(id, &report, commit, &waiter, reason);
+    // Closed before anyone hears of it: a handle looked up after the answer is not open.
+    inbox.close();
+    lock(&owner.open).remove(id);
     for (outcome, reply) in late {
         let reply_value = match outcome {
             CallOutcome::Completed { step, .. } if !commit => CallReply::Failed {
@@ -314,8 +315,6 @@ async fn drive(
             tracing::info!(transaction = %id, status = ending.status, "transaction ended");
         }
     }
-    // Commands that raced the end learn that it is closed when their reply channel drops.
-    inbox.close();
 }
 
 /// Who waits for a transaction's ending.
