@@ -213,7 +213,12 @@ pub fn journal(args: JournalArgs) -> anyhow::Result<Outcome> {
 }
 
 /// `journal --as-saga`: the run as a saga file and its fixture.
-fn export_saga(db: &SqliteBackend, run_id: &str, events: &[saga::journal::Event], path: &Path) -> anyhow::Result<Outcome> {
+fn export_saga(
+    db: &SqliteBackend,
+    run_id: &str,
+    events: &[saga::journal::Event],
+    path: &Path,
+) -> anyhow::Result<Outcome> {
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("session").to_string();
     let definition = session::as_saga(&stem, events);
     if definition["saga"]["steps"].as_array().is_none_or(|s| s.is_empty()) {
@@ -224,7 +229,8 @@ fn export_saga(db: &SqliteBackend, run_id: &str, events: &[saga::journal::Event]
     let fixture = path.with_file_name(format!("{stem}.fixture.json"));
     std::fs::write(path, serde_json::to_string_pretty(&definition)? + "\n")
         .with_context(|| format!("cannot write {}", path.display()))?;
-    std::fs::write(&fixture, before.to_canonical_json()).with_context(|| format!("cannot write {}", fixture.display()))?;
+    std::fs::write(&fixture, before.to_canonical_json())
+        .with_context(|| format!("cannot write {}", fixture.display()))?;
     eprintln!("wrote {} and {}", path.display(), fixture.display());
     Ok(Outcome::Success)
 }

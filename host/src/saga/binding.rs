@@ -175,7 +175,8 @@ pub fn resolve(template: &Value, scope: &Scope) -> Result<Value, BindingError> {
 /// A template that stands for `value` itself: `value` with every object that would read as
 /// a binding (or a `$literal`) wrapped in `$literal`, and nothing else changed.
 pub fn literal(value: &Value) -> Value {
-    let special = |map: &Map<String, Value>| map.len() == 1 && (map.contains_key("$literal") || binding_of(value).is_some());
+    let special =
+        |map: &Map<String, Value>| map.len() == 1 && (map.contains_key("$literal") || binding_of(value).is_some());
     match value {
         Value::Object(map) if special(map) => serde_json::json!({ "$literal": value }),
         Value::Object(map) => Value::Object(map.iter().map(|(k, v)| (k.clone(), literal(v))).collect()),

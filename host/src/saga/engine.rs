@@ -154,7 +154,7 @@ impl Progress {
 pub(super) enum Steps<'a> {
     Planned(&'a Plan),
     /// Appended to while calls run (`boxcar` hands out references that stay valid).
-    Arriving(boxcar::Vec<PlannedStep>),
+    Arriving(Box<boxcar::Vec<PlannedStep>>),
 }
 
 impl Steps<'_> {
@@ -177,7 +177,8 @@ impl Steps<'_> {
             Steps::Planned(plan) => plan.step(id),
             Steps::Arriving(steps) => {
                 // A session's `call-N` is usually its N-th step.
-                let guess = id.strip_prefix("call-").and_then(|n| n.parse::<usize>().ok()).and_then(|n| n.checked_sub(1));
+                let guess =
+                    id.strip_prefix("call-").and_then(|n| n.parse::<usize>().ok()).and_then(|n| n.checked_sub(1));
                 match guess.and_then(|i| steps.get(i).map(|s| (i, s))) {
                     Some((i, s)) if s.id == id => Some((i, s)),
                     _ => steps.iter().find(|(_, s)| s.id == id),
@@ -592,9 +593,8 @@ impl<'a> Run<'a> {
         let count = self.steps.len();
         let (mut waiting, mut ready) = {
             let progress = lock(&self.progress);
-            let waiting: Vec<usize> = (0..count)
-                .map(|i| self.step(i).deps.iter().filter(|&&d| !progress.is_done(d)).count())
-                .collect();
+            let waiting: Vec<usize> =
+                (0..count).map(|i| self.step(i).deps.iter().filter(|&&d| !progress.is_done(d)).count()).collect();
             let ready: BTreeSet<usize> = (0..count).filter(|&i| !progress.is_done(i) && waiting[i] == 0).collect();
             (waiting, ready)
         };
@@ -636,7 +636,8 @@ impl<'a> Run<'a> {
                 return false;
             }
         };
-        let key = step.key.clone().unwrap_or_else(|| idempotency_key(&self.options.run_id, &step.id, &step.tool, &args));
+        let key =
+            step.key.clone().unwrap_or_else(|| idempotency_key(&self.options.run_id, &step.id, &step.tool, &args));
         let call = Call {
             step,
             phase: Phase::Action,
@@ -916,9 +917,8 @@ impl<'a> Run<'a> {
             position[*i] = Some(p);
         }
         // How many completed dependants each step still waits for.
-        let mut waiting: Vec<usize> = (0..steps.len())
-            .map(|i| steps.dependants(i).iter().filter(|&&j| position[j].is_some()).count())
-            .collect();
+        let mut waiting: Vec<usize> =
+            (0..steps.len()).map(|i| steps.dependants(i).iter().filter(|&&j| position[j].is_some()).count()).collect();
         // The latest completed first.
         let mut ready: BinaryHeap<usize> =
             completed.iter().enumerate().filter(|(_, (i, _))| waiting[*i] == 0).map(|(p, _)| p).collect();

@@ -15,11 +15,11 @@ use serde_json::{Value, json};
 
 use super::backend::Backend;
 use super::definition::SagaDef;
-use super::{Companions, Plan, Saga};
 use super::engine::{Run, RunOptions, Steps};
 use super::journal::{ErrorInfo, Event, EventKind};
 use super::plan::{CompensatorPlan, PlannedStep};
 use super::report::RunReport;
+use super::{Companions, Plan, Saga};
 use crate::ids::idempotency_key;
 use crate::runtime::{CallError, FailureKind, Runtime};
 use crate::store::State;
@@ -80,14 +80,19 @@ impl<'a> Session<'a> {
     }
 
     fn new(runtime: &'a Runtime, shell: &'a Saga, backend: &'a dyn Backend, options: RunOptions) -> Session<'a> {
-        let run = Run::new(runtime, shell, Steps::Arriving(boxcar::Vec::new()), backend, options, true);
+        let run = Run::new(runtime, shell, Steps::Arriving(Box::default()), backend, options, true);
         Session { run, runtime, calls: AtomicUsize::new(0) }
     }
 
     /// Rebuilds a session a crash interrupted from its journal (`options.resume`), ready to
     /// be aborted: its completed calls are known again, and compensations already done are
     /// not run twice.
-    pub fn recover(runtime: &'a Runtime, shell: &'a Saga, backend: &'a dyn Backend, options: RunOptions) -> Session<'a> {
+    pub fn recover(
+        runtime: &'a Runtime,
+        shell: &'a Saga,
+        backend: &'a dyn Backend,
+        options: RunOptions,
+    ) -> Session<'a> {
         let steps = recorded_calls(&options.resume);
         let session = Session::new(runtime, shell, backend, options);
         session.calls.store(steps.len(), Ordering::Relaxed);
@@ -216,12 +221,7 @@ pub fn shell(name: &str, timeout: Option<Duration>) -> Saga {
 /// Compensates a session a crash interrupted (a client cannot come back to a dead session):
 /// every effect its journal records is undone once; compensations done before the crash
 /// are not run again.
-pub async fn abort_interrupted(
-    runtime: &Runtime,
-    backend: &dyn Backend,
-    name: &str,
-    options: RunOptions,
-) -> RunReport {
+pub async fn abort_interrupted(runtime: &Runtime, backend: &dyn Backend, name: &str, options: RunOptions) -> RunReport {
     let shell = shell(name.strip_prefix("session:").unwrap_or(name), None);
     let session = Session::recover(runtime, &shell, backend, options);
     let reason = ErrorInfo {
@@ -248,7 +248,10 @@ fn recorded_calls(journal: &[Event]) -> Vec<PlannedStep> {
             arguments: json!({ "$literal": event.data.clone().unwrap_or(Value::Null) }),
             input: None,
             side_effects: event.compensator.is_some(),
-            compensator: event.compensator.as_ref().map(|tool| CompensatorPlan { tool: tool.clone(), arguments: json!({}) }),
+            compensator: event
+                .compensator
+                .as_ref()
+                .map(|tool| CompensatorPlan { tool: tool.clone(), arguments: json!({}) }),
             deps: Vec::new(),
             retry: Default::default(),
             timeout: None,
@@ -309,7 +312,8 @@ pub fn state_before(journal: &[Event], now: &State) -> Result<State, String> {
     for ((ns, key), writes) in by_doc {
         let current = now.get(ns, key).map(|d| d.text.clone());
         let before = without_writes(current.as_deref(), &writes);
-        let namespace = json.as_object_mut().ok_or("the state is not an object")?.entry(ns).or_insert_with(|| json!({}));
+        let namespace =
+            json.as_object_mut().ok_or("the state is not an object")?.entry(ns).or_insert_with(|| json!({}));
         let Some(namespace) = namespace.as_object_mut() else { continue };
         match before {
             Some(text) => {

@@ -31,7 +31,11 @@ pub enum Control {
 pub enum Entry {
     /// A plugin tool, by its `<plugin>.<tool>` name; `takes_handle`: whether its arguments
     /// may carry [`TRANSACTION_ARG`] (its own schema does not use that name).
-    Plugin { qualified: String, side_effects: bool, takes_handle: bool },
+    Plugin {
+        qualified: String,
+        side_effects: bool,
+        takes_handle: bool,
+    },
     Saga(Arc<Saga>),
     Control(Control),
 }
@@ -56,8 +60,7 @@ impl Catalog {
             catalog.add(name, tool, Entry::Control(control));
         }
         for plugin in runtime.plugins() {
-            let compensators: Vec<&str> =
-                plugin.tools.values().filter_map(|t| t.info.compensator.as_deref()).collect();
+            let compensators: Vec<&str> = plugin.tools.values().filter_map(|t| t.info.compensator.as_deref()).collect();
             for (name, tool) in &plugin.tools {
                 if !expose_compensators && compensators.contains(&name.as_str()) {
                     continue;
@@ -78,7 +81,8 @@ impl Catalog {
                         "destructiveHint": info.side_effects && info.compensator.is_none(),
                     },
                 });
-                let entry = Entry::Plugin { qualified: qualified.clone(), side_effects: info.side_effects, takes_handle };
+                let entry =
+                    Entry::Plugin { qualified: qualified.clone(), side_effects: info.side_effects, takes_handle };
                 catalog.add(served_name(&qualified), described, entry);
             }
         }
@@ -174,10 +178,8 @@ fn saga_input_schema(saga: &Saga) -> Value {
         .collect();
     fields.sort();
     fields.dedup();
-    let properties: Map<String, Value> = fields
-        .iter()
-        .map(|f| (f.clone(), json!({ "description": format!("$.input.{f} of the saga") })))
-        .collect();
+    let properties: Map<String, Value> =
+        fields.iter().map(|f| (f.clone(), json!({ "description": format!("$.input.{f} of the saga") }))).collect();
     json!({ "type": "object", "properties": properties, "required": fields })
 }
 

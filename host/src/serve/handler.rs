@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use rmcp::model::{
-    CallToolRequestParams, CallToolResponse, CallToolResult, ErrorData as McpError, Implementation,
-    ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig,
+    CallToolRequestParams, CallToolResponse, CallToolResult, ErrorData as McpError, Implementation, ListToolsResult,
+    PaginatedRequestParams, ServerCapabilities, ServerConfig,
 };
 use rmcp::service::{RequestContext, RoleServer};
 use serde_json::{Map, Value, json};
@@ -146,7 +146,12 @@ impl Connection {
             },
             None => match self.server.transactions.begin(None, None) {
                 Ok(t) => (t, true),
-                Err(e) => return error_result(&e.to_string(), json!({ "error": { "code": "host", "message": e.to_string() } })),
+                Err(e) => {
+                    return error_result(
+                        &e.to_string(),
+                        json!({ "error": { "code": "host", "message": e.to_string() } }),
+                    );
+                }
             },
         };
         let request = CallRequest {
@@ -243,7 +248,9 @@ impl Connection {
         }
         let transaction = match self.server.transactions.begin(name, timeout) {
             Ok(t) => t,
-            Err(e) => return error_result(&e.to_string(), json!({ "error": { "code": "host", "message": e.to_string() } })),
+            Err(e) => {
+                return error_result(&e.to_string(), json!({ "error": { "code": "host", "message": e.to_string() } }));
+            }
         };
         if connection {
             *lock(&self.current) = Some(transaction.clone());
@@ -381,7 +388,8 @@ fn result_from(value: Value) -> CallToolResult {
 pub(super) fn ok_result(value: Value, meta: Map<String, Value>) -> CallToolResult {
     let text = serde_json::to_string(&value).unwrap_or_default();
     let structured = if value.is_object() { value } else { json!({ "result": value }) };
-    let mut result = json!({ "content": [{ "type": "text", "text": text }], "structuredContent": structured, "isError": false });
+    let mut result =
+        json!({ "content": [{ "type": "text", "text": text }], "structuredContent": structured, "isError": false });
     if !meta.is_empty() {
         result["_meta"] = Value::Object(meta);
     }
@@ -390,7 +398,9 @@ pub(super) fn ok_result(value: Value, meta: Map<String, Value>) -> CallToolResul
 
 /// A tool error the agent reads: `message` as text, `detail` as structured content.
 pub(super) fn error_result(message: &str, detail: Value) -> CallToolResult {
-    result_from(json!({ "content": [{ "type": "text", "text": message }], "structuredContent": detail, "isError": true }))
+    result_from(
+        json!({ "content": [{ "type": "text", "text": message }], "structuredContent": detail, "isError": true }),
+    )
 }
 
 fn closed_result(id: &str) -> CallToolResult {
@@ -417,8 +427,7 @@ fn failed_result(transaction: &str, step: Option<String>, error: &ErrorInfo, end
     let mut message = error.message.clone();
     let mut detail = json!({ "error": error, "transaction": transaction, "step": step, "status": "open" });
     if let Some(ending) = &ending {
-        let undone: Vec<String> =
-            ending.compensated.iter().map(|u| format!("{} ({})", u.tool, u.step)).collect();
+        let undone: Vec<String> = ending.compensated.iter().map(|u| format!("{} ({})", u.tool, u.step)).collect();
         message.push_str(&format!(
             "\ntransaction {transaction} {}: compensated {}",
             ending.status.replace('_', " "),

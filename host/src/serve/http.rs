@@ -45,7 +45,9 @@ pub async fn serve(
 ) -> Result<(), ServeError> {
     let fail = |reason: String| ServeError::Http { addr: options.addr.to_string(), reason };
     if !options.addr.ip().is_loopback() && options.token.is_none() {
-        return Err(fail("serving a non-loopback address needs --token (clients then send Authorization: Bearer)".into()));
+        return Err(fail(
+            "serving a non-loopback address needs --token (clients then send Authorization: Bearer)".into(),
+        ));
     }
     let listener = tokio::net::TcpListener::bind(options.addr).await.map_err(|e| fail(e.to_string()))?;
     let local = listener.local_addr().map_err(|e| fail(e.to_string()))?;
@@ -92,12 +94,10 @@ pub async fn serve(
             () = stop.cancelled() => break,
         };
         let mcp = mcp.clone();
-        let token = token.clone();
         let stop = stop.clone();
         tokio::spawn(async move {
             let service = hyper::service::service_fn(move |request: Request<Incoming>| {
                 let mcp = mcp.clone();
-                let token = token.clone();
                 async move { Ok::<_, Infallible>(route(&mcp, token.as_ref(), request).await) }
             });
             let connection = hyper::server::conn::http1::Builder::new()

@@ -65,12 +65,7 @@ impl Server {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let tool_list = ListToolsResult::with_all_items(tools);
-        Ok(Arc::new(Server {
-            transactions: Transactions::new(Arc::new(context)),
-            catalog,
-            tool_list,
-            on_disconnect,
-        }))
+        Ok(Arc::new(Server { transactions: Transactions::new(Arc::new(context)), catalog, tool_list, on_disconnect }))
     }
 
     /// Serves one client on stdin/stdout until it closes them; then ends the transactions

@@ -43,7 +43,12 @@ impl JournalSink for Progress {
     }
 }
 
-pub async fn run(server: &Server, saga: &Arc<Saga>, input: Value, context: &RequestContext<RoleServer>) -> CallToolResult {
+pub async fn run(
+    server: &Server,
+    saga: &Arc<Saga>,
+    input: Value,
+    context: &RequestContext<RoleServer>,
+) -> CallToolResult {
     let context_ref = &server.transactions.context();
     let mut options = RunOptions::new(crate::ids::new_run_id(), input);
     options.seed = rand::random();

@@ -286,7 +286,11 @@ async fn drive(
     while let Some((outcome, reply)) = running.next().await {
         late.push((outcome, reply));
     }
-    let report = if commit { session.commit().await } else { session.abort(reason.clone().unwrap_or_else(|| ending_reason("aborted", "aborted"))).await };
+    let report = if commit {
+        session.commit().await
+    } else {
+        session.abort(reason.clone().unwrap_or_else(|| ending_reason("aborted", "aborted"))).await
+    };
     let ending = ending(id, &report, commit, &waiter, reason);
     // Closed before anyone hears of it: a handle looked up after the answer is not open.
     inbox.close();
@@ -308,7 +312,8 @@ async fn drive(
             let _ = reply.send(ending);
         }
         Waiter::Call(reply, step, error) => {
-            let error = error.unwrap_or_else(|| ending.reason.clone().unwrap_or_else(|| ending_reason("timed_out", "timed out")));
+            let error = error
+                .unwrap_or_else(|| ending.reason.clone().unwrap_or_else(|| ending_reason("timed_out", "timed out")));
             let _ = reply.send(CallReply::Failed { transaction: id.to_string(), step, error, ending: Some(ending) });
         }
         Waiter::None => {
@@ -354,7 +359,9 @@ async fn sleep_until(deadline: Option<Instant>) {
 fn call_reply(transaction: &str, outcome: CallOutcome) -> CallReply {
     let transaction = transaction.to_string();
     match outcome {
-        CallOutcome::Completed { step, output, replayed } => CallReply::Completed { transaction, step, output, replayed },
+        CallOutcome::Completed { step, output, replayed } => {
+            CallReply::Completed { transaction, step, output, replayed }
+        }
         CallOutcome::Failed { step, error } => CallReply::Failed { transaction, step, error, ending: None },
         CallOutcome::TimedOut => CallReply::Failed {
             transaction,
@@ -365,7 +372,13 @@ fn call_reply(transaction: &str, outcome: CallOutcome) -> CallReply {
     }
 }
 
-fn status(session: &Session<'_>, name: &str, state: &'static str, in_flight: usize, timeout: Option<Duration>) -> Status {
+fn status(
+    session: &Session<'_>,
+    name: &str,
+    state: &'static str,
+    in_flight: usize,
+    timeout: Option<Duration>,
+) -> Status {
     Status {
         transaction: session.run_id().to_string(),
         name: name.to_string(),
