@@ -30,13 +30,32 @@ fn request(tool: &str, args: Value) -> CallRequest {
 }
 
 fn transactions(runtime: sagabox::runtime::Runtime, backend: Arc<dyn Backend>) -> Arc<Transactions> {
+    transactions_idle_after(runtime, backend, Duration::from_secs(600))
+}
+
+fn transactions_idle_after(
+    runtime: sagabox::runtime::Runtime,
+    backend: Arc<dyn Backend>,
+    idle_timeout: Duration,
+) -> Arc<Transactions> {
     Transactions::new(Arc::new(Context {
         runtime: Arc::new(runtime),
         backend,
         registry: None,
         on_failure: OnFailure::Compensate,
-        idle_timeout: Duration::from_secs(600),
+        idle_timeout,
     }))
+}
+
+/// Waits (up to 10 s) until no transaction is open.
+async fn until_all_closed(transactions: &Transactions) {
+    for _ in 0..1000 {
+        if transactions.open_count() == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{} transaction(s) still open after 10 s", transactions.open_count());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -242,4 +261,88 @@ async fn an_exported_session_is_a_saga_whose_fixture_is_the_store_before_it() {
     assert_eq!(steps[1]["action"]["arguments"], json!({ "$literal": { "path": "$.input.x" } }));
     let before = session::state_before(&report.events, &backend.snapshot()).unwrap();
     assert_eq!(before.digest(), initial.digest());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_waits_for_the_calls_in_flight_and_undoes_them_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = support::runtime_with(&[&support::install_slow_pool(dir.path())]).await;
+    let initial = pools(10);
+    let backend: Arc<dyn Backend> = Arc::new(MemoryBackend::new(initial.clone()));
+    let transactions = transactions(runtime, Arc::clone(&backend));
+    let tx = transactions.begin(None, None).unwrap();
+    let quick = tx.call(request("resources.allocate", json!({ "pool_id": "p", "amount": 1 }))).await.unwrap();
+    assert!(matches!(quick, CallReply::Completed { .. }), "{quick:?}");
+    // A slow call is in flight when the abort arrives: it completes, then is undone first.
+    let slow = tokio::spawn({
+        let tx = tx.clone();
+        async move { tx.call(request("slow_pool.allocate", json!({ "pool_id": "p", "amount": 2, "delay_ms": 300 }))).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let ending = tx.end(false, Some(ending_reason("aborted", "test"))).await.unwrap();
+    let undone: Vec<&str> = ending.compensated.iter().map(|u| u.step.as_str()).collect();
+    assert_eq!(undone, ["call-2", "call-1"]);
+    // The slow call's client learns that its effect was rolled back.
+    match slow.await.unwrap().unwrap() {
+        CallReply::Failed { step: Some(step), error, ending: Some(_), .. } => {
+            assert_eq!(step, "call-2");
+            assert_eq!(error.code, "rolled_back");
+        }
+        other => panic!("expected the in-flight call to report its rollback, got {other:?}"),
+    }
+    assert_eq!(allocated(&*backend), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_transaction_and_one_past_its_time_out_are_undone() {
+    let runtime = support::runtime().await;
+    let backend: Arc<dyn Backend> = Arc::new(MemoryBackend::new(pools(10)));
+    let transactions = transactions_idle_after(runtime, Arc::clone(&backend), Duration::from_millis(300));
+    // Idle: nothing after its first call.
+    let idle = transactions.begin(Some("idle"), None).unwrap();
+    idle.call(request("resources.allocate", json!({ "pool_id": "p", "amount": 1 }))).await.unwrap();
+    // Busy, but past its own 400 ms time-out.
+    let late = transactions.begin(Some("late"), Some(Duration::from_millis(400))).unwrap();
+    for _ in 0..8 {
+        let reply = late.call(request("resources.allocate", json!({ "pool_id": "p", "amount": 1 }))).await;
+        if reply.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    until_all_closed(&transactions).await;
+    assert!(!idle.is_open() && !late.is_open());
+    assert_eq!(allocated(&*backend), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_with_the_clients_key_answers_from_the_first_delivery_and_is_undone_by_its_owner_only() {
+    let runtime = support::runtime().await;
+    let backend: Arc<dyn Backend> = Arc::new(MemoryBackend::new(pools(10)));
+    let transactions = transactions(runtime, Arc::clone(&backend));
+    let keyed = || {
+        let mut r = request("resources.allocate", json!({ "pool_id": "p", "amount": 3 }));
+        r.client_key = Some("order-42".into());
+        r
+    };
+    let first = transactions.begin(None, None).unwrap();
+    let CallReply::Completed { output, replayed: false, .. } = first.call(keyed()).await.unwrap() else {
+        panic!("the first delivery runs")
+    };
+    // Retried in the same transaction (a reply lost on the way): the same answer, no new step.
+    let CallReply::Completed { output: again, replayed: true, step, .. } = first.call(keyed()).await.unwrap() else {
+        panic!("a retry is answered from the first delivery")
+    };
+    assert_eq!((again, step.as_str()), (output.clone(), "call-1"));
+    first.end(true, None).await.unwrap();
+    // Retried from another transaction (the client reconnected): same answer; aborting that
+    // transaction does not undo the first one's effect.
+    let second = transactions.begin(None, None).unwrap();
+    let CallReply::Completed { output: later, replayed: true, .. } = second.call(keyed()).await.unwrap() else {
+        panic!("a retry in another transaction is answered from the first delivery")
+    };
+    assert_eq!(later, output);
+    let ending = second.end(false, Some(ending_reason("aborted", "test"))).await.unwrap();
+    assert!(ending.compensated.is_empty(), "{:?}", ending.compensated);
+    assert_eq!(allocated(&*backend), 3);
 }
