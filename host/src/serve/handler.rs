@@ -154,14 +154,19 @@ impl Connection {
                 }
             },
         };
+        let logs = logging::for_request(&context, *lock(&self.log_level));
         let request = CallRequest {
             tool: tool.to_string(),
             args,
             client_key: key,
             cancel: context.ct.clone(),
-            log: logging::sink_for(&context, *lock(&self.log_level)),
+            log: logs.as_ref().map(|l| Arc::clone(&l.sink)),
         };
         let reply = transaction.call(request).await;
+        if let Some(logs) = logs {
+            // The call's log notifications go out before its answer.
+            logs.flushed().await;
+        }
         if single {
             // A request of its own: kept when it succeeded, undone (nothing) when not.
             let succeeded = matches!(reply, Ok(CallReply::Completed { .. }));

@@ -11,6 +11,7 @@ use std::time::Duration;
 use rmcp::model::{LoggingLevel, LoggingMessageNotificationParam};
 use rmcp::service::{Peer, RequestContext, RoleServer};
 use serde_json::json;
+use tokio::sync::mpsc;
 
 use crate::runtime::{LogLevel, LogSink};
 
@@ -39,10 +40,10 @@ fn protocol_level(level: LogLevel) -> LoggingLevel {
     }
 }
 
-/// Sends a request's plugin logs to its client, from `min` up.
+/// Queues a request's plugin logs, from `min` up, for its client.
 struct ClientLog {
-    peer: Peer<RoleServer>,
     min: Rank,
+    queue: mpsc::UnboundedSender<LoggingMessageNotificationParam>,
 }
 
 impl LogSink for ClientLog {
@@ -53,17 +54,36 @@ impl LogSink for ClientLog {
         }
         let param = LoggingMessageNotificationParam::new(level, json!({ "tool": tool, "message": message }))
             .with_logger(tool.to_string());
-        let peer = self.peer.clone();
-        // A client that stops reading must not hold up the call: the message is dropped.
-        tokio::spawn(async move {
-            let _ = tokio::time::timeout(Duration::from_secs(1), peer.notify_logging_message(param)).await;
-        });
+        let _ = self.queue.send(param);
+    }
+}
+
+/// A request's log sink and the task that sends what it queues, in order.
+pub struct ClientLogs {
+    pub sink: Arc<dyn LogSink>,
+    sending: tokio::task::JoinHandle<()>,
+}
+
+impl ClientLogs {
+    /// Waits until the messages queued so far are sent (the call is over, so its sink's
+    /// last user is gone), for at most two seconds: a client that stops reading loses
+    /// them, and never holds up the answer for long.
+    pub async fn flushed(self) {
+        drop(self.sink);
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.sending).await;
     }
 }
 
 /// The sink for a request's plugin logs: its `_meta` level, else the connection's
 /// `logging/setLevel` one, else none.
-pub fn sink_for(context: &RequestContext<RoleServer>, connection_level: Option<Rank>) -> Option<Arc<dyn LogSink>> {
+pub fn for_request(context: &RequestContext<RoleServer>, connection_level: Option<Rank>) -> Option<ClientLogs> {
     let min = context.meta.log_level().map(rank).or(connection_level)?;
-    Some(Arc::new(ClientLog { peer: context.peer.clone(), min }))
+    let (queue, mut queued) = mpsc::unbounded_channel();
+    let peer: Peer<RoleServer> = context.peer.clone();
+    let sending = tokio::spawn(async move {
+        while let Some(param) = queued.recv().await {
+            let _ = tokio::time::timeout(Duration::from_secs(1), peer.notify_logging_message(param)).await;
+        }
+    });
+    Some(ClientLogs { sink: Arc::new(ClientLog { min, queue }), sending })
 }

@@ -14,12 +14,14 @@ use crate::durable::RunRecord;
 use crate::saga::journal::{Event, EventKind, JournalSink};
 use crate::saga::{self, RunOptions, Saga, Status};
 
-/// Sends a progress notification for every step or compensation that completes.
+/// Queues a progress notification for every step or compensation that completes (the
+/// journal is written synchronously; [`forward_progress`] sends them, in order, before the
+/// call's answer).
 struct Progress {
-    peer: Peer<RoleServer>,
     token: ProgressToken,
     total: f64,
     done: std::sync::atomic::AtomicU64,
+    queue: tokio::sync::mpsc::UnboundedSender<ProgressNotificationParam>,
 }
 
 impl JournalSink for Progress {
@@ -34,12 +36,19 @@ impl JournalSink for Progress {
             let mut param = ProgressNotificationParam::new(self.token.clone(), done as f64);
             param.total = Some(self.total);
             param.message = Some(format!("{what} {}", event.step.as_deref().unwrap_or("?")));
-            let peer = self.peer.clone();
-            // The journal is written synchronously; the notification goes out on its own.
-            tokio::spawn(async move {
-                let _ = peer.notify_progress(param).await;
-            });
+            let _ = self.queue.send(param);
         }
+    }
+}
+
+/// Sends queued progress notifications until the queue closes. A client that stops reading
+/// delays them, never the saga: each gets a second.
+async fn forward_progress(
+    peer: Peer<RoleServer>,
+    mut queue: tokio::sync::mpsc::UnboundedReceiver<ProgressNotificationParam>,
+) {
+    while let Some(param) = queue.recv().await {
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(1), peer.notify_progress(param)).await;
     }
 }
 
@@ -52,13 +61,12 @@ pub async fn run(
     let context_ref = &server.transactions.context();
     let mut options = RunOptions::new(crate::ids::new_run_id(), input);
     options.seed = rand::random();
+    let mut progress = None;
     if let Some(token) = context.meta.get_progress_token() {
-        options.journal = Some(Arc::new(Progress {
-            peer: context.peer.clone(),
-            token,
-            total: saga.plan.steps.len() as f64,
-            done: Default::default(),
-        }));
+        let (queue, queued) = tokio::sync::mpsc::unbounded_channel();
+        progress = Some(tokio::spawn(forward_progress(context.peer.clone(), queued)));
+        options.journal =
+            Some(Arc::new(Progress { token, total: saga.plan.steps.len() as f64, done: Default::default(), queue }));
     }
     if let Some(registry) = &context_ref.registry {
         let registered = registry.register_run(&RunRecord {
@@ -78,6 +86,11 @@ pub async fn run(
         }
     }
     let report = saga::run(&context_ref.runtime, saga, &*context_ref.backend, options).await;
+    if let Some(progress) = progress {
+        // The run (and with it the queue's sender) is done: every notification goes out
+        // before the answer.
+        let _ = progress.await;
+    }
     let summary = json!({
         "run_id": report.run_id,
         "saga": report.saga,
