@@ -74,6 +74,31 @@ pub struct RunRecord {
     pub finished_ms: Option<u64>,
 }
 
+impl RunRecord {
+    /// A run this process is about to start.
+    pub fn starting(
+        run_id: &str,
+        saga: &str,
+        saga_path: &str,
+        definition: String,
+        input: &Value,
+        seed: u64,
+    ) -> RunRecord {
+        RunRecord {
+            run_id: run_id.to_string(),
+            saga: saga.to_string(),
+            saga_path: saga_path.to_string(),
+            definition,
+            input: input.clone(),
+            seed,
+            status: "running".into(),
+            pid: std::process::id(),
+            started_ms: 0,
+            finished_ms: None,
+        }
+    }
+}
+
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('version', 0), ('schema', 1);

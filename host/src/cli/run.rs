@@ -155,19 +155,12 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
                     path.display()
                 );
             }
-            let registered = db.register_run(&RunRecord {
-                run_id: options.run_id.clone(),
-                saga: saga.name.clone(),
-                saga_path: saga.path.display().to_string(),
-                definition: std::fs::read_to_string(&saga.path)
-                    .with_context(|| format!("cannot read {}", saga.path.display()))?,
-                input: options.input.clone(),
-                seed: options.seed,
-                status: "running".into(),
-                pid: std::process::id(),
-                started_ms: 0,
-                finished_ms: None,
-            });
+            let definition =
+                std::fs::read_to_string(&saga.path).with_context(|| format!("cannot read {}", saga.path.display()))?;
+            let saga_path = saga.path.display().to_string();
+            let record =
+                RunRecord::starting(&options.run_id, &saga.name, &saga_path, definition, &options.input, options.seed);
+            let registered = db.register_run(&record);
             if let Err(RegisterError::Exists { run_id, .. }) = &registered {
                 bail!("{}", run_exists(&db, path, run_id));
             }

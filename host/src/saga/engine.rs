@@ -34,7 +34,7 @@ use crate::runtime::{
     CallContext, CallError, CallFailure, CallOptions, CommitAttempt, FailureKind, InjectedFault, Runtime,
 };
 use crate::store::Txn;
-use crate::store::undo::{WriteTexts, without_writes};
+use crate::store::undo::without_writes;
 
 /// How to run a saga.
 #[derive(Clone)]
@@ -1067,13 +1067,7 @@ impl<'a> Run<'a> {
     fn net_changes(&self, status: Status) -> (Vec<NetChange>, Vec<NetChange>) {
         let now = self.blocking(|| self.backend.snapshot());
         let events = lock(&self.events);
-        let mut by_doc: BTreeMap<(&str, &str), Vec<WriteTexts<'_>>> = BTreeMap::new();
-        for write in events.iter().flat_map(|e| &e.writes) {
-            by_doc
-                .entry((&write.ns, &write.key))
-                .or_default()
-                .push(WriteTexts { before: write.before.as_deref(), after: write.after.as_deref() });
-        }
+        let by_doc = super::journal::writes_by_document(&events);
         let parse = |text: Option<&str>| text.map(|t| serde_json::from_str(t).unwrap_or(Value::Null));
         let changes: Vec<NetChange> = by_doc
             .into_iter()

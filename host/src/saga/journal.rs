@@ -82,6 +82,21 @@ pub struct Event {
     pub writes: Vec<DocWrite>,
 }
 
+/// The writes `events` record, grouped by document (namespace, key), each group in commit
+/// order.
+pub fn writes_by_document(
+    events: &[Event],
+) -> std::collections::BTreeMap<(&str, &str), Vec<crate::store::undo::WriteTexts<'_>>> {
+    let mut by_doc: std::collections::BTreeMap<(&str, &str), Vec<_>> = std::collections::BTreeMap::new();
+    for write in events.iter().flat_map(|e| &e.writes) {
+        by_doc
+            .entry((&write.ns, &write.key))
+            .or_default()
+            .push(crate::store::undo::WriteTexts { before: write.before.as_deref(), after: write.after.as_deref() });
+    }
+    by_doc
+}
+
 /// One document a commit wrote (`None`: no document).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct DocWrite {

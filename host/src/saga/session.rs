@@ -7,7 +7,6 @@
 //! is [`Session::recover`]ed from its journal and aborted, and [`as_saga`] turns a journal
 //! into a saga file whose steps are the calls it made.
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -23,7 +22,7 @@ use super::{Companions, Plan, Saga};
 use crate::ids::idempotency_key;
 use crate::runtime::{CallError, FailureKind, Runtime};
 use crate::store::State;
-use crate::store::undo::{WriteTexts, without_writes};
+use crate::store::undo::without_writes;
 
 /// What a durable run registry records as the "saga file" of a session's run.
 pub const SESSION_SOURCE: &str = "(mcp session)";
@@ -301,15 +300,8 @@ pub fn as_saga(name: &str, journal: &[Event]) -> Value {
 /// the run wrote put back. Documents other runs wrote meanwhile keep those runs' changes
 /// (see [`crate::store::undo`]).
 pub fn state_before(journal: &[Event], now: &State) -> Result<State, String> {
-    let mut by_doc: BTreeMap<(&str, &str), Vec<WriteTexts<'_>>> = BTreeMap::new();
-    for write in journal.iter().flat_map(|e| &e.writes) {
-        by_doc
-            .entry((&write.ns, &write.key))
-            .or_default()
-            .push(WriteTexts { before: write.before.as_deref(), after: write.after.as_deref() });
-    }
     let mut json = now.to_json();
-    for ((ns, key), writes) in by_doc {
+    for ((ns, key), writes) in super::journal::writes_by_document(journal) {
         let current = now.get(ns, key).map(|d| d.text.clone());
         let before = without_writes(current.as_deref(), &writes);
         let namespace =

@@ -69,20 +69,17 @@ pub async fn run(
             Some(Arc::new(Progress { token, total: saga.plan.steps.len() as f64, done: Default::default(), queue }));
     }
     if let Some(registry) = &context_ref.registry {
-        let registered = registry.register_run(&RunRecord {
-            run_id: options.run_id.clone(),
-            saga: saga.name.clone(),
-            saga_path: saga.path.display().to_string(),
-            definition: std::fs::read_to_string(&saga.path).unwrap_or_default(),
-            input: options.input.clone(),
-            seed: options.seed,
-            status: "running".into(),
-            pid: std::process::id(),
-            started_ms: 0,
-            finished_ms: None,
-        });
+        // A resume re-reads the definition from the registry: it must be there.
+        let registered = std::fs::read_to_string(&saga.path)
+            .map_err(|e| format!("cannot read {}: {e}", saga.path.display()))
+            .and_then(|definition| {
+                let path = saga.path.display().to_string();
+                let record =
+                    RunRecord::starting(&options.run_id, &saga.name, &path, definition, &options.input, options.seed);
+                registry.register_run(&record).map_err(|e| e.to_string())
+            });
         if let Err(e) = registered {
-            return error_result(&e.to_string(), json!({ "error": { "code": "host", "message": e.to_string() } }));
+            return error_result(&e, json!({ "error": { "code": "host", "message": e } }));
         }
     }
     let report = saga::run(&context_ref.runtime, saga, &*context_ref.backend, options).await;

@@ -193,19 +193,10 @@ impl Transactions {
         let id = format!("tx-{}", crate::ids::new_run_id());
         let name = name.unwrap_or("session").to_string();
         if let Some(registry) = &self.context.registry {
+            let record =
+                RunRecord::starting(&id, &format!("session:{name}"), SESSION_SOURCE, String::new(), &json!({}), 0);
             registry
-                .register_run(&RunRecord {
-                    run_id: id.clone(),
-                    saga: format!("session:{name}"),
-                    saga_path: SESSION_SOURCE.into(),
-                    definition: String::new(),
-                    input: json!({}),
-                    seed: 0,
-                    status: "running".into(),
-                    pid: std::process::id(),
-                    started_ms: 0,
-                    finished_ms: None,
-                })
+                .register_run(&record)
                 .map_err(|e| BeginError::Register { id: id.clone(), reason: e.to_string() })?;
         }
         let (commands, inbox) = mpsc::unbounded_channel();
