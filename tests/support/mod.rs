@@ -1,6 +1,8 @@
 //! Shared helpers for the end-to-end tests.
 #![allow(dead_code)]
 
+pub mod python;
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 

@@ -20,7 +20,7 @@ use rmcp::service::{RequestContext, RoleServer};
 use serde_json::{Map, Value, json};
 
 use super::Server;
-use super::catalog::{Control, Entry, TRANSACTION_ARG};
+use super::catalog::{Control, Entry, TRANSACTION_ARG, served_name};
 use super::logging;
 use super::transaction::{CallReply, CallRequest, Ending, OnDisconnect, Transaction, ending_reason};
 use crate::saga::definition::DurationSpec;
@@ -369,7 +369,20 @@ fn as_key(value: &Value) -> Option<String> {
 }
 
 fn ending_value(ending: &Ending) -> Value {
-    serde_json::to_value(ending).unwrap_or_default()
+    serde_json::to_value(served_names(ending)).unwrap_or_default()
+}
+
+/// `ending` with its tools named as the client calls them (`hotel__reserve`).
+fn served_names(ending: &Ending) -> Ending {
+    let mut ending = ending.clone();
+    for undone in &mut ending.compensated {
+        undone.tool = served_name(&undone.tool);
+        undone.compensator = undone.compensator.as_deref().map(served_name);
+    }
+    for failure in &mut ending.compensation_failures {
+        failure.tool = served_name(&failure.tool);
+    }
+    ending
 }
 
 /// A tool result from JSON, as the protocol writes it.
@@ -431,7 +444,7 @@ fn call_result(reply: CallReply) -> CallToolResult {
 fn failed_result(transaction: &str, step: Option<String>, error: &ErrorInfo, ending: Option<Ending>) -> CallToolResult {
     let mut message = error.message.clone();
     let mut detail = json!({ "error": error, "transaction": transaction, "step": step, "status": "open" });
-    if let Some(ending) = &ending {
+    if let Some(ending) = ending.as_ref().map(served_names) {
         let undone: Vec<String> = ending.compensated.iter().map(|u| format!("{} ({})", u.tool, u.step)).collect();
         message.push_str(&format!(
             "\ntransaction {transaction} {}: compensated {}",

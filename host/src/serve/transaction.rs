@@ -71,8 +71,8 @@ pub struct Ending {
     /// Compensated calls, in the order their compensations completed.
     pub compensated: Vec<Undone>,
     pub compensation_failures: Vec<CompensationFailure>,
-    /// Calls whose effects stay (a commit).
-    pub kept: Vec<String>,
+    /// The calls whose effects stay (a commit), by step id.
+    pub steps: Vec<String>,
 }
 
 /// The answer to a call.
@@ -397,7 +397,7 @@ fn ending(id: &str, report: &RunReport, commit: bool, waiter: &Waiter, reason: O
         _ if matches!(waiter, Waiter::Call(..)) => "rolled_back",
         _ => "aborted",
     };
-    let kept = if commit {
+    let steps = if commit {
         report.steps.iter().filter(|s| s.status == crate::saga::StepStatus::Completed).map(|s| s.id.clone()).collect()
     } else {
         Vec::new()
@@ -408,6 +408,6 @@ fn ending(id: &str, report: &RunReport, commit: bool, waiter: &Waiter, reason: O
         reason,
         compensated,
         compensation_failures: report.compensation_failures.clone(),
-        kept,
+        steps,
     }
 }
