@@ -203,3 +203,74 @@ fn plugin_logs_reach_the_client_at_its_level_before_the_calls_answer() {
     let answer = wire.next();
     assert_eq!(answer["id"], 5, "no log message at level error: {answer}");
 }
+
+/// `sagabox serve --http 127.0.0.1:0 ARGS`, and the address it bound.
+fn http_server(args: &[&str]) -> (Child, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        .args(["serve", "--http", "127.0.0.1:0"])
+        .args(args)
+        .env("SAGABOX_CACHE_DIR", support::shared_cache())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("sagabox serve starts");
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    while stderr.read_line(&mut line).unwrap() > 0 {
+        if let Some(rest) = line.trim().strip_prefix("sagabox: serving MCP on http://") {
+            let addr = rest.trim_end_matches("/mcp").to_string();
+            // Keep draining stderr so the server never blocks on it.
+            std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+            return (child, addr);
+        }
+        line.clear();
+    }
+    panic!("the server did not say where it serves");
+}
+
+/// POSTs a `tools/list` (2025 style) with `headers`; the response's status code.
+fn post_status(addr: &str, headers: &[(&str, &str)]) -> u16 {
+    use std::io::Read;
+    let body = json!({ "jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": { "name": "wire", "version": "1" } } })
+    .to_string();
+    let mut request = format!(
+        "POST /mcp HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Accept: application/json, text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
+    request.push_str(&body);
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).unwrap();
+    std::str::from_utf8(&head[9..12]).unwrap().parse().unwrap()
+}
+
+#[test]
+fn http_checks_the_bearer_token_and_the_origin() {
+    let (mut server, addr) = http_server(&["--token", "s3cret", "--allow-origin", "https://app.example.com:443"]);
+    assert_eq!(post_status(&addr, &[]), 401, "no token");
+    assert_eq!(post_status(&addr, &[("Authorization", "Bearer wrong")]), 401, "a wrong token");
+    assert_eq!(post_status(&addr, &[("Authorization", "Bearer s3cret")]), 200, "the token");
+    let with_origin = |origin| post_status(&addr, &[("Authorization", "Bearer s3cret"), ("Origin", origin)]);
+    assert_eq!(with_origin("http://localhost:5173"), 200, "a local page");
+    assert_eq!(with_origin("https://app.example.com"), 200, "an allowed origin");
+    assert_eq!(with_origin("https://evil.example"), 403, "any other origin");
+    let _ = server.kill();
+    let _ = server.wait();
+}
+
+#[test]
+fn a_public_address_is_refused_without_a_token() {
+    let out = support::sagabox(&["serve", "--http", "0.0.0.0:0"]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("needs --token"), "{stderr}");
+}
