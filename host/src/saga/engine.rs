@@ -13,7 +13,7 @@
 //! Scheduling is linear in the saga's size: steps wait on counters of unfinished
 //! dependencies (forward) or uncompensated dependants (backward), never on scans.
 
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -97,6 +97,8 @@ struct Completed {
 struct Progress {
     /// Completed (or uncertain) steps in completion order.
     completed: Vec<(usize, Completed)>,
+    /// Position in `completed` by idempotency key (a session looks retries up there).
+    by_key: HashMap<String, usize>,
     /// Whether each step is in `completed`.
     done: Vec<bool>,
     /// Outputs of the completed steps, by step id: what `$.steps.<id>` bindings read.
@@ -116,6 +118,7 @@ impl Progress {
     fn new(steps: usize) -> Progress {
         Progress {
             completed: Vec::new(),
+            by_key: HashMap::new(),
             done: vec![false; steps],
             outputs: BTreeMap::new(),
             status: BTreeMap::new(),
@@ -146,6 +149,7 @@ impl Progress {
         if let Some(output) = output {
             self.outputs.insert(id.to_string(), output);
         }
+        self.by_key.insert(completed.key.clone(), self.completed.len());
         self.completed.push((index, completed));
     }
 }
@@ -303,8 +307,9 @@ impl<'a> Run<'a> {
     /// The completed step whose effect `key` names, with its output.
     pub(super) fn completed_with_key(&self, key: &str) -> Option<(String, Value)> {
         let progress = lock(&self.progress);
-        let (index, _) = progress.completed.iter().find(|(_, c)| c.key == key)?;
-        let id = &self.step(*index).id;
+        let (index, _) = &progress.completed[*progress.by_key.get(key)?];
+        let index = *index;
+        let id = &self.step(index).id;
         Some((id.clone(), progress.outputs.get(id).cloned().unwrap_or(Value::Null)))
     }
 

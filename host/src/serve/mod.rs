@@ -72,7 +72,10 @@ impl Server {
     /// it left open (compensating them, unless `--on-disconnect keep`).
     pub async fn serve_stdio(self: &Arc<Self>) -> Result<(), ServeError> {
         let connection = Connection::new(Arc::clone(self), Transport::Stdio);
-        let pipes = stdio::framed(tokio::io::stdin(), tokio::io::stdout());
+        // Non-blocking pipes when the client made them (as MCP clients do): no hand-off to a
+        // blocking thread per message.
+        let (input, output) = rmcp::transport::io::stdio_pipes();
+        let pipes = stdio::framed(input, output);
         let running = connection.clone().serve(pipes).await.map_err(|e| ServeError::Stdio(e.to_string()))?;
         let quit = running.waiting().await;
         connection.close().await;
