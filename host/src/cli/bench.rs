@@ -3,6 +3,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use anyhow::Context as _;
 use serde::Serialize;
 use serde_json::json;
 
@@ -22,6 +23,7 @@ pub struct Measurement {
     /// Median, in microseconds.
     pub median_us: f64,
     pub p90_us: f64,
+    pub p99_us: f64,
     pub samples: usize,
 }
 
@@ -32,7 +34,7 @@ impl Measurement {
             let i = ((samples.len() as f64 - 1.0) * q).round() as usize;
             samples.get(i).map_or(0.0, |d| d.as_secs_f64() * 1e6)
         };
-        Measurement { name: name.into(), median_us: at(0.5), p90_us: at(0.9), samples: samples.len() }
+        Measurement { name: name.into(), median_us: at(0.5), p90_us: at(0.9), p99_us: at(0.99), samples: samples.len() }
     }
 }
 
@@ -131,6 +133,27 @@ pub async fn per_call(calls: usize, cache_dir: Option<&Path>) -> anyhow::Result<
     Ok(runtimes.into_iter().map(|(name, _, _, samples)| Measurement::from_samples(name, samples)).collect())
 }
 
+/// The sandboxed call alone that `bench --only serve` makes over MCP: `hostile.echo {"x":1}`.
+async fn echo_in_process(runtime: &Runtime, calls: usize) -> anyhow::Result<Measurement> {
+    let store = MemoryStore::new(State::default());
+    let args = json!({ "x": 1 });
+    let mut samples = Vec::with_capacity(calls);
+    for i in 0..calls + calls / 10 {
+        let options = CallOptions {
+            context: CallContext { idempotency_key: format!("{i:064x}"), ..CallContext::default() },
+            ..CallOptions::default()
+        };
+        let started = Instant::now();
+        let outcome = runtime.call("hostile.echo", &args, &options, &store).await;
+        let elapsed = started.elapsed();
+        outcome.result.map_err(|e| anyhow::anyhow!("benchmark call failed: {e}"))?;
+        if i >= calls / 10 {
+            samples.push(elapsed);
+        }
+    }
+    Ok(Measurement::from_samples("the same call in process: fresh instance + call + commit (hostile.echo)", samples))
+}
+
 /// Sagas per second, each on a fresh copy of its fixture, `concurrency` in flight at once.
 pub struct Throughput {
     pub name: String,
@@ -215,7 +238,7 @@ pub struct Args {
     /// Steps of the long saga the scale benchmark validates, runs and rolls back.
     #[arg(long, default_value_t = 10_000)]
     scale_steps: usize,
-    /// Benchmark groups to run: runtime, sagas, cli, memory, verify, durable, snapshot, scale
+    /// Benchmark groups to run: runtime, sagas, cli, memory, verify, durable, snapshot, scale, serve
     /// [default: all].
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -321,6 +344,36 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
     if wants("scale") {
         results.extend(long_saga(&runtime, args.scale_steps).await?);
     }
+    if wants("serve") {
+        results.push(echo_in_process(&runtime, args.calls).await?);
+        let fixture_path = args.sagas_dir.join("ct1-payment-failure.fixture.json");
+        let calls = args.calls;
+        results.extend(
+            tokio::task::spawn_blocking(move || super::serve_bench::stdio_round_trips(&fixture_path, calls)).await??,
+        );
+        let read = |name: &str| -> anyhow::Result<serde_json::Value> {
+            let path = args.sagas_dir.join(name);
+            Ok(serde_json::from_str(
+                &std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?,
+            )?)
+        };
+        let (fixture, input) = (read("ct1-payment-failure.fixture.json")?, read("ct1-payment-failure.input.json")?);
+        for clients in [4, 16, 64] {
+            let (fixture, input) = (fixture.clone(), input.clone());
+            let sessions = (args.sagas * 2).max(clients * 10);
+            let (rate, latency) = tokio::task::spawn_blocking(move || {
+                super::serve_bench::http_sessions(&fixture, &input, sessions, clients)
+            })
+            .await??;
+            rates.push((
+                format!(
+                    "rolled-back MCP sessions/s over HTTP (saga_begin, 2 bookings, declined charge), {clients} clients"
+                ),
+                rate,
+            ));
+            results.push(latency);
+        }
+    }
     if args.json {
         let rates: Vec<_> = rates.iter().map(|(name, rate)| json!({ "name": name, "per_second": rate })).collect();
         println!("{}", serde_json::to_string_pretty(&json!({ "measurements": results, "rates": rates }))?);
@@ -330,10 +383,17 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
             "benchmark",
             "median",
             "p90",
+            "p99",
             "samples",
         ]);
         for m in &results {
-            table.add_row([m.name.clone(), format_us(m.median_us), format_us(m.p90_us), m.samples.to_string()]);
+            table.add_row([
+                m.name.clone(),
+                format_us(m.median_us),
+                format_us(m.p90_us),
+                format_us(m.p99_us),
+                m.samples.to_string(),
+            ]);
         }
         println!("{table}");
         let mut table = comfy_table::Table::new();
@@ -473,6 +533,7 @@ async fn memory(runtime: Arc<Runtime>, sagas: &Path) -> anyhow::Result<Vec<Measu
         ),
         median_us: elapsed.as_secs_f64() * 1e6,
         p90_us: elapsed.as_secs_f64() * 1e6,
+        p99_us: elapsed.as_secs_f64() * 1e6,
         samples: 1,
     }])
 }

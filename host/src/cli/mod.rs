@@ -11,6 +11,7 @@ mod fixtures;
 mod plugins;
 mod run;
 mod serve;
+mod serve_bench;
 mod verify;
 
 use std::path::PathBuf;

@@ -62,6 +62,8 @@ pub async fn serve(
         .with_allowed_origins(origins)
         .enforce_origin_validation()
         .with_max_request_body_bytes(MAX_BODY_BYTES)
+        // A plain JSON answer where no notification comes first: no event stream to hold open.
+        .with_json_response(true)
         .with_cancellation_token(stop.child_token());
     if !local.ip().is_loopback() {
         // Clients reach a public address by names rmcp cannot know: the token guards it.
