@@ -11,19 +11,33 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
+/// `sagabox serve ARGS`, with this test binary's compile cache.
+fn serve(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_sagabox"));
+    command.arg("serve").args(args).env("SAGABOX_CACHE_DIR", support::shared_cache());
+    command
+}
+
+/// A server process, killed when dropped.
+struct Server(Child);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A server on stdio, with its output lines arriving on a channel.
 struct Wire {
-    child: Child,
+    _server: Server,
     input: ChildStdin,
     lines: mpsc::Receiver<Value>,
 }
 
 impl Wire {
     fn start(args: &[&str]) -> Wire {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_sagabox"))
-            .arg("serve")
-            .args(args)
-            .env("SAGABOX_CACHE_DIR", support::shared_cache())
+        let mut child = serve(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -40,7 +54,7 @@ impl Wire {
                 }
             }
         });
-        let mut wire = Wire { child, input, lines };
+        let mut wire = Wire { _server: Server(child), input, lines };
         wire.send_line(
             &json!({ "jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
                 "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": { "name": "wire", "version": "1" } } })
@@ -75,13 +89,6 @@ impl Wire {
                 return message;
             }
         }
-    }
-}
-
-impl Drop for Wire {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -205,24 +212,18 @@ fn plugin_logs_reach_the_client_at_its_level_before_the_calls_answer() {
 }
 
 /// `sagabox serve --http 127.0.0.1:0 ARGS`, and the address it bound.
-fn http_server(args: &[&str]) -> (Child, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sagabox"))
-        .args(["serve", "--http", "127.0.0.1:0"])
-        .args(args)
-        .env("SAGABOX_CACHE_DIR", support::shared_cache())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("sagabox serve starts");
-    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+fn http_server(args: &[&str]) -> (Server, String) {
+    let mut command = serve(&["--http", "127.0.0.1:0"]);
+    let child = command.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped()).spawn();
+    let mut server = Server(child.expect("sagabox serve starts"));
+    let mut stderr = BufReader::new(server.0.stderr.take().unwrap());
     let mut line = String::new();
     while stderr.read_line(&mut line).unwrap() > 0 {
         if let Some(rest) = line.trim().strip_prefix("sagabox: serving MCP on http://") {
             let addr = rest.trim_end_matches("/mcp").to_string();
             // Keep draining stderr so the server never blocks on it.
             std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
-            return (child, addr);
+            return (server, addr);
         }
         line.clear();
     }
@@ -255,7 +256,7 @@ fn post_status(addr: &str, headers: &[(&str, &str)]) -> u16 {
 
 #[test]
 fn http_checks_the_bearer_token_and_the_origin() {
-    let (mut server, addr) = http_server(&["--token", "s3cret", "--allow-origin", "https://app.example.com:443"]);
+    let (_server, addr) = http_server(&["--token", "s3cret", "--allow-origin", "https://app.example.com:443"]);
     assert_eq!(post_status(&addr, &[]), 401, "no token");
     assert_eq!(post_status(&addr, &[("Authorization", "Bearer wrong")]), 401, "a wrong token");
     assert_eq!(post_status(&addr, &[("Authorization", "Bearer s3cret")]), 200, "the token");
@@ -263,8 +264,6 @@ fn http_checks_the_bearer_token_and_the_origin() {
     assert_eq!(with_origin("http://localhost:5173"), 200, "a local page");
     assert_eq!(with_origin("https://app.example.com"), 200, "an allowed origin");
     assert_eq!(with_origin("https://evil.example"), 403, "any other origin");
-    let _ = server.kill();
-    let _ = server.wait();
 }
 
 #[test]
