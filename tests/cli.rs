@@ -257,3 +257,256 @@ fn plugins_shows_what_each_plugin_requested_what_it_was_granted_and_what_was_ref
         "{text}"
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Verify, state and fixture loopholes (issue #12, item 5)
+
+/// `sagas/<path>` of the repository.
+fn shipped(path: &str) -> std::path::PathBuf {
+    sagas_dir().join(path)
+}
+
+/// A bundled plugin's shipped policy file.
+fn shipped_policy(plugin: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../guest-tools/plugins/{plugin}/policy.toml"))
+}
+
+/// Writes `fixture` (`{namespace: {key: document}}`) as a directory of `<namespace>.json` files.
+fn write_fixture_dir(dir: &std::path::Path, fixture: &Value) {
+    std::fs::create_dir_all(dir).unwrap();
+    for (ns, docs) in fixture.as_object().unwrap() {
+        std::fs::write(dir.join(format!("{ns}.json")), docs.to_string()).unwrap();
+    }
+}
+
+fn read_json(path: &std::path::Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The `replay:` line printed under `FAIL <saga> / <case>`.
+fn printed_replay(stdout: &str, saga: &str, case: &str) -> String {
+    let header = format!("FAIL {saga} / {case}:");
+    let mut lines = stdout.lines().skip_while(|l| !l.starts_with(&header));
+    lines
+        .find_map(|l| l.trim_start().strip_prefix("replay: ").map(str::to_string))
+        .unwrap_or_else(|| panic!("no replay command for {saga} / {case} in:\n{stdout}"))
+}
+
+/// Runs a printed command line through `sh`, with `sagabox` on the PATH.
+fn run_in_shell(command: &str) -> Output {
+    let bin = std::path::Path::new(env!("CARGO_BIN_EXE_sagabox")).parent().unwrap().to_path_buf();
+    let path = std::env::join_paths(
+        std::iter::once(bin).chain(std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())),
+    )
+    .unwrap();
+    Command::new("sh")
+        .args(["-c", command])
+        .env("PATH", path)
+        .env("SAGABOX_CACHE_DIR", shared_cache())
+        .env_remove("SAGABOX_OPERATOR")
+        .env_remove("SAGABOX_LOG")
+        .output()
+        .unwrap()
+}
+
+/// `DIR/my plugins` (a space, so the replay must quote it) holding the buggy airline as
+/// `mybuggy`, and the hotel and payment plugins, each with its policy; and `DIR/sagas/`
+/// holding buggy-cancel calling `mybuggy.*`, with its fixture and input.
+fn plugin_dir_saga(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let plugins = dir.join("my plugins");
+    std::fs::create_dir_all(&plugins).unwrap();
+    for (artifact_name, name) in [("buggy_airline", "mybuggy"), ("hotel", "hotel"), ("payment", "payment")] {
+        std::fs::copy(artifact(artifact_name), plugins.join(format!("{name}.wasm"))).unwrap();
+        std::fs::copy(shipped_policy(artifact_name), plugins.join(format!("{name}.policy.toml"))).unwrap();
+    }
+    let sagas = dir.join("sagas");
+    std::fs::create_dir_all(&sagas).unwrap();
+    let text = std::fs::read_to_string(shipped("buggy-cancel/buggy-cancel.json")).unwrap();
+    assert!(text.contains("buggy_airline."));
+    std::fs::write(sagas.join("buggy-cancel.json"), text.replace("buggy_airline.", "mybuggy.")).unwrap();
+    for suffix in ["fixture.json", "input.json"] {
+        std::fs::copy(
+            shipped(&format!("buggy-cancel/buggy-cancel.{suffix}")),
+            sagas.join(format!("buggy-cancel.{suffix}")),
+        )
+        .unwrap();
+    }
+    (plugins, sagas.join("buggy-cancel.json"))
+}
+
+#[test]
+fn the_printed_replay_command_reproduces_a_failing_case_of_a_plugin_dir_saga() {
+    let dir = tempfile::tempdir().unwrap();
+    let (plugins, saga) = plugin_dir_saga(dir.path());
+    let operator = operator_file();
+    let out = Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        .arg("--no-bundled")
+        .arg("--plugins")
+        .arg(&plugins)
+        .arg("--operator")
+        .arg(&operator)
+        .args(["verify", saga.to_str().unwrap(), "--seed", "3", "--runs", "2", "--faults", "trap,random"])
+        .env("SAGABOX_CACHE_DIR", shared_cache())
+        .env_remove("SAGABOX_OPERATOR")
+        .output()
+        .unwrap();
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}\n{}", stderr(&out));
+    assert!(text.contains("FAIL buggy-cancel / clean: the rollback did not restore"), "{text}");
+
+    let replay = printed_replay(&text, "buggy-cancel", "clean");
+    let again = run_in_shell(&replay);
+    let again_text = stdout(&again);
+    assert_eq!(
+        again.status.code(),
+        Some(1),
+        "the replay command did not reproduce the failure: {replay}\nstdout: {again_text}\nstderr: {}",
+        stderr(&again)
+    );
+    assert!(again_text.contains("FAIL buggy-cancel / clean: the rollback did not restore"), "{again_text}");
+    assert!(again_text.contains("/dates/2024-05-16/available_seats/economy: 9 -> 8"), "{again_text}");
+    assert!(again_text.contains("1 of 1 cases failed"), "{again_text}");
+    assert_eq!(printed_replay(&again_text, "buggy-cancel", "clean"), replay, "the replay is not a fixed point");
+    for part in ["--no-bundled", "--seed 3", "--case clean", &format!("'{}'", plugins.display())] {
+        assert!(replay.contains(part), "'{part}' missing from the replay command: {replay}");
+    }
+    assert!(replay.contains(&format!("--operator {}", operator.display())), "{replay}");
+}
+
+#[test]
+fn verify_state_replaces_each_sagas_own_fixture_and_the_replay_repeats_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let help = sagabox(&["verify", "--help"]);
+    assert!(stdout(&help).contains("--state <FIXTURE>"), "{}", stdout(&help));
+
+    // ct1 without its companion fixture: the state comes from --state (a file).
+    for suffix in ["json", "input.json"] {
+        std::fs::copy(shipped(&format!("ct1-payment-failure.{suffix}")), dir.path().join(format!("ct1.{suffix}")))
+            .unwrap();
+    }
+    let saga = dir.path().join("ct1.json");
+    let fixture = shipped("ct1-payment-failure.fixture.json");
+    let report = dir.path().join("report.json");
+    let out = sagabox(&[
+        "verify",
+        saga.to_str().unwrap(),
+        "--state",
+        fixture.to_str().unwrap(),
+        "--runs",
+        "2",
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{}\n{}", stdout(&out), stderr(&out));
+    let digest = sagabox(&["state", "--state", fixture.to_str().unwrap(), "--digest"]);
+    assert_eq!(read_json(&report)["sagas"][0]["fixture_digest"], stdout(&digest).trim());
+
+    // buggy-cancel without its companion, its fixture given as a directory: the bug shows,
+    // and the replay names the fixture.
+    std::fs::copy(shipped("buggy-cancel/buggy-cancel.json"), dir.path().join("buggy.json")).unwrap();
+    std::fs::copy(shipped("buggy-cancel/buggy-cancel.input.json"), dir.path().join("buggy.input.json")).unwrap();
+    let fixture_dir = dir.path().join("a fixture");
+    write_fixture_dir(&fixture_dir, &read_json(&shipped("buggy-cancel/buggy-cancel.fixture.json")));
+    let buggy = dir.path().join("buggy.json");
+    let out = sagabox(&["verify", buggy.to_str().unwrap(), "--state", fixture_dir.to_str().unwrap(), "--runs", "1"]);
+    let text = stdout(&out);
+    assert_eq!(out.status.code(), Some(1), "{text}\n{}", stderr(&out));
+    assert!(text.contains("/dates/2024-05-16/available_seats/economy: 9 -> 8"), "{text}");
+    let replay = printed_replay(&text, "buggy-cancel", "clean");
+    assert!(replay.contains(&format!("--state '{}'", fixture_dir.display())), "{replay}");
+    let again = run_in_shell(&replay);
+    assert_eq!(again.status.code(), Some(1), "{replay}: {}{}", stdout(&again), stderr(&again));
+    assert!(stdout(&again).contains("available_seats/economy: 9 -> 8"), "{}", stdout(&again));
+}
+
+#[test]
+fn a_fixture_directory_without_json_files_is_an_error_everywhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("fixture");
+    std::fs::create_dir(&empty).unwrap();
+    std::fs::write(empty.join("notes.txt"), "not a fixture").unwrap();
+    let e = empty.to_str().unwrap();
+    let expected = format!("no *.json fixture files in {e}");
+    let travel = shipped("travel.json");
+    for args in [
+        vec!["state", "--state", e],
+        vec!["state", "--state", e, "--digest"],
+        vec!["run", travel.to_str().unwrap(), "--state", e],
+        vec![
+            "call",
+            "airline.search",
+            "--state",
+            e,
+            "--args",
+            r#"{"origin":"SFO","destination":"JFK","date":"2024-05-16"}"#,
+        ],
+        vec!["verify", travel.to_str().unwrap(), "--state", e],
+        vec!["fixtures", "generate", "--base", e],
+    ] {
+        let out = sagabox(&args);
+        assert_eq!(out.status.code(), Some(2), "{args:?} exited {:?}: {}", out.status.code(), stdout(&out));
+        assert!(stderr(&out).contains(&expected), "{args:?}: {}", stderr(&out));
+        assert!(stdout(&out).is_empty(), "{args:?} printed: {}", stdout(&out));
+    }
+}
+
+#[test]
+fn fixtures_generate_takes_a_fixture_directory_as_base_like_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = read_json(&shipped("buggy-cancel/buggy-cancel.fixture.json"));
+    let base_dir = dir.path().join("base");
+    write_fixture_dir(&base_dir, &base);
+    let (from_dir, from_file) = (dir.path().join("from-dir.json"), dir.path().join("from-file.json"));
+    let file = shipped("buggy-cancel/buggy-cancel.fixture.json");
+    for (base, out) in [(&base_dir, &from_dir), (&file, &from_file)] {
+        let run = sagabox(&[
+            "fixtures",
+            "generate",
+            "--scale",
+            "1",
+            "--base",
+            base.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(run.status.success(), "--base {}: {}", base.display(), stderr(&run));
+    }
+    assert_eq!(std::fs::read(&from_dir).unwrap(), std::fs::read(&from_file).unwrap());
+    let generated = read_json(&from_dir);
+    assert_eq!(generated["flights"]["HAT001"], base["flights"]["HAT001"], "the base's documents are laid over");
+    assert_eq!(generated["users"]["mia_li_3668"], base["users"]["mia_li_3668"]);
+    assert!(generated["flights"].as_object().unwrap().len() > 100, "the generated flights are kept");
+}
+
+#[test]
+fn a_file_of_records_is_refused_as_a_fixture_instead_of_becoming_namespaces() {
+    let dir = tempfile::tempdir().unwrap();
+    // tau-bench's flights.json: {flight number: flight}, one namespace's records.
+    let flights = read_json(&shipped("buggy-cancel/buggy-cancel.fixture.json"))["flights"].clone();
+    assert!(flights.as_object().unwrap().len() >= 2);
+    let file = dir.path().join("flights.json");
+    std::fs::write(&file, flights.to_string()).unwrap();
+    let f = file.to_str().unwrap();
+    for args in [
+        vec!["fixtures", "generate", "--base", f],
+        vec!["state", "--state", f],
+        vec!["run", shipped("travel.json").to_str().unwrap(), "--state", f],
+    ] {
+        let out = sagabox(&args);
+        let err = stderr(&out);
+        let head: String = stdout(&out).chars().take(300).collect();
+        assert_eq!(out.status.code(), Some(2), "{args:?} exited {:?}: {head}", out.status.code());
+        for part in ["flights.json", "HAT001/", "{namespace: {key: document}}", "<namespace>.json"] {
+            assert!(err.contains(part), "{args:?}: '{part}' missing from: {err}");
+        }
+    }
+    // In a directory, the same file is the namespace `flights`.
+    let in_dir = dir.path().join("db");
+    std::fs::create_dir(&in_dir).unwrap();
+    std::fs::copy(&file, in_dir.join("flights.json")).unwrap();
+    let out = sagabox(&["state", "--state", in_dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let state: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(state.as_object().unwrap().keys().collect::<Vec<_>>(), ["flights"]);
+    assert_eq!(state["flights"], flights);
+}

@@ -3,9 +3,10 @@
 use std::path::PathBuf;
 
 use anyhow::Context as _;
+use sagabox::store::fixture;
 use sagabox::store::generate::{self, Scale};
 
-use super::{Outcome, json_arg};
+use super::Outcome;
 
 #[derive(clap::Subcommand)]
 pub enum Command {
@@ -26,7 +27,8 @@ pub struct GenerateArgs {
     #[arg(long)]
     size_mb: Option<f64>,
     /// A fixture whose documents are laid over the generated ones (e.g. a saga's own), so the
-    /// saga still runs on the large store.
+    /// saga still runs on the large store: a JSON file {namespace: {key: document}} or a
+    /// directory of <namespace>.json files, as every --state takes.
     #[arg(long, value_name = "FIXTURE")]
     base: Option<PathBuf>,
     /// Write to FILE instead of stdout.
@@ -46,7 +48,8 @@ pub fn run(command: Command) -> anyhow::Result<Outcome> {
     };
     let mut store = generate::generate(args.seed, &Scale::of(units));
     if let Some(base) = &args.base {
-        store = generate::overlay(store, &json_arg(&format!("@{}", base.display()), "base fixture")?);
+        // The one fixture loader, so --base takes what every other fixture option takes.
+        store = generate::overlay(store, &fixture::load(base)?.to_json());
     }
     let text = sagabox::json::canonical(&store);
     match &args.out {

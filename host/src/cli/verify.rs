@@ -7,6 +7,7 @@ use anyhow::Context as _;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use indicatif::{ProgressBar, ProgressStyle};
 use sagabox::saga::{self, Saga};
+use sagabox::store::fixture;
 use sagabox::verify::{self, CampaignOptions, CampaignReport, FaultKind, Subject, Timing, Verdict};
 
 use super::run::{load_input, load_state};
@@ -35,6 +36,12 @@ pub struct Args {
     #[arg(long)]
     case: Option<String>,
 
+    /// Start every saga from FIXTURE instead of its own <saga>.fixture.json: a JSON file
+    /// {namespace: {key: document}} or a directory of <namespace>.json files (tau-bench's
+    /// layout). Each saga's <saga>.expected.json still applies.
+    #[arg(long, value_name = "FIXTURE")]
+    state: Option<PathBuf>,
+
     /// Write the reproducible report (no wall-clock times) to FILE as JSON.
     #[arg(long, value_name = "FILE")]
     report: Option<PathBuf>,
@@ -54,6 +61,11 @@ pub struct Args {
 
 pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome> {
     let runtime = Arc::new(plugin_args.load().await?);
+    // Loaded once for every saga (a snapshot of it is an O(1) copy).
+    let given = match &args.state {
+        Some(path) => Some(fixture::load(path)?),
+        None => None,
+    };
     let mut subjects = Vec::new();
     for path in saga::saga_files(&args.sagas).context("cannot list the sagas")? {
         let saga = Saga::load(&path, &runtime)?;
@@ -62,7 +74,10 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
             None => None,
         };
         subjects.push(Subject {
-            initial: load_state(None, &saga)?,
+            initial: match &given {
+                Some(state) => state.clone(),
+                None => load_state(None, &saga)?,
+            },
             input: load_input(None, &saga)?,
             expected,
             saga: Arc::new(saga),
@@ -75,6 +90,8 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
         only_case: args.case.clone(),
         concurrency: args.concurrency,
         on_case: None,
+        state: args.state.clone(),
+        replay_plugin_args: replay_plugin_args(plugin_args),
     };
     let bar = ProgressBar::new(0);
     bar.set_style(
@@ -105,6 +122,23 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
         print_summary(&report, &timing);
     }
     Ok(if report.passed() { Outcome::Success } else { Outcome::Failure })
+}
+
+/// The global options a replay command must repeat: those that choose the plugins and what
+/// they are granted (`--operator` also when it came from SAGABOX_OPERATOR). The compile
+/// cache and the log level change no outcome, so they are left out.
+fn replay_plugin_args(plugins: &PluginArgs) -> Vec<String> {
+    let mut words = Vec::new();
+    if plugins.no_bundled {
+        words.push("--no-bundled".to_string());
+    }
+    for dir in &plugins.dirs {
+        words.extend(["--plugins".to_string(), dir.display().to_string()]);
+    }
+    if let Some(operator) = &plugins.operator {
+        words.extend(["--operator".to_string(), operator.display().to_string()]);
+    }
+    words
 }
 
 fn print_summary(report: &CampaignReport, timing: &Timing) {

@@ -213,7 +213,9 @@ pub fn generate(seed: u64, scale: &Scale) -> Value {
     Value::Object(store)
 }
 
-/// Lays the documents of `base` over `generated` (a saga's own fixture stays as it is).
+/// Lays the documents of `base` over `generated` (a saga's own fixture stays as it is). Both
+/// are `{namespace: {key: document}}`; a fixture file or directory gives it as
+/// `fixture::load(path)?.to_json()`, so `base` is checked as every fixture is.
 pub fn overlay(mut generated: Value, base: &Value) -> Value {
     if let (Some(into), Some(from)) = (generated.as_object_mut(), base.as_object()) {
         for (ns, docs) in from {

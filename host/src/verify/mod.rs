@@ -12,7 +12,7 @@
 pub mod cases;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -37,6 +37,12 @@ pub struct CampaignOptions {
     pub concurrency: usize,
     /// Called in each case's task before the case runs.
     pub on_case: Option<CaseHook>,
+    /// The fixture every subject's `initial` was loaded from instead of its saga's own
+    /// `<saga>.fixture.json` (`verify --state`), if one was given; replay commands name it.
+    pub state: Option<PathBuf>,
+    /// The global options that chose the plugins (`--no-bundled`, `--plugins DIR`…,
+    /// `--operator FILE`), repeated in every replay command.
+    pub replay_plugin_args: Vec<String>,
 }
 
 /// A function every case's task calls before the case runs: a way to observe cases, and for
@@ -59,6 +65,8 @@ impl Default for CampaignOptions {
             only_case: None,
             concurrency: 2,
             on_case: None,
+            state: None,
+            replay_plugin_args: Vec::new(),
         }
     }
 }
@@ -352,7 +360,7 @@ pub async fn prepare(
             ids.extend(cases.iter().map(|c| c.id.clone()).filter(|id| !id.starts_with("random-")));
             cases = cases::select(&subject.saga, cases, only, options.seed);
         }
-        let problems = clean_run_problem(subject, &clean).into_iter().collect();
+        let problems = clean_run_problem(subject, &clean, options).into_iter().collect();
         let clean = CleanRun { status: clean.status, failed_step: clean.failed_step.clone(), state: clean_state };
         sagas.push(PreparedSaga { subject: subject.clone(), clean: Arc::new(clean), cases, problems });
     }
@@ -383,17 +391,18 @@ fn known_cases(mut ids: Vec<String>, options: &CampaignOptions) -> String {
 /// Why a clean run cannot anchor a campaign, if it cannot. It must complete, or fail only
 /// after steps completed and were undone — the rollback the saga was written to show; a
 /// saga with no fixture or with an expected (completed) state must complete.
-fn clean_run_problem(subject: &Subject, clean: &RunReport) -> Option<String> {
+fn clean_run_problem(subject: &Subject, clean: &RunReport, options: &CampaignOptions) -> Option<String> {
     if clean.status == Status::Completed {
         return None;
     }
     let saga = &subject.saga;
     let undid_something = !clean.compensated.is_empty() || !clean.compensation_failures.is_empty();
-    let why = if saga.companions.fixture.is_none() {
+    let why = if saga.companions.fixture.is_none() && options.state.is_none() {
         let stem = saga.path.file_stem().and_then(|s| s.to_str()).unwrap_or("saga");
         format!(
             "hint: the saga has no fixture, so it ran on an empty store; \
-             give it its starting state in {stem}.fixture.json (or a directory {stem}.fixture/)"
+             give it its starting state in {stem}.fixture.json (or a directory {stem}.fixture/, \
+             or --state FIXTURE)"
         )
     } else if subject.expected.is_some() {
         "the saga declares the expected state of a completed run".to_string()
@@ -458,7 +467,7 @@ pub async fn execute(
                     problems.push(format!(
                         "case '{}' panicked: {panic} (replay: {})",
                         case.id,
-                        replay(&saga.subject.saga, options.seed, &case.id)
+                        replay_command(&saga.subject.saga.path, options, &case.id)
                     ));
                 }
             }
@@ -497,13 +506,14 @@ fn spawn_case(
     let (runtime, subject, clean, permits) =
         (runtime.clone(), saga.subject.clone(), saga.clean.clone(), permits.clone());
     let (case, seed, hook) = (case.clone(), options.seed, options.on_case.clone());
+    let replay = replay_command(&subject.saga.path, options, &case.id);
     tokio::spawn(async move {
         let _permit = permits.acquire_owned().await;
         if let Some(hook) = hook {
             (hook.0)(&case);
         }
         let (report, state) = run_case(&runtime, &subject, &case, seed).await;
-        (judge(&subject, &case, &report, &state, &clean, seed), report)
+        (judge(&subject, &case, &report, &state, &clean, replay), report)
     })
 }
 
@@ -523,8 +533,30 @@ async fn outcome_of(task: tokio::task::JoinHandle<(CaseReport, RunReport)>) -> C
     })
 }
 
-fn replay(saga: &Saga, seed: u64, case: &str) -> String {
-    format!("sagabox verify {} --seed {seed} --case {case}", saga.path.display())
+/// The command that runs one case of the saga at `saga` again, alone, as it ran: every
+/// option that decides its outcome — the plugins, the fixture, the seed — each word quoted
+/// for a POSIX shell. `--runs`, `--faults` and `--concurrency` are left out: a case id
+/// names the same faults under any of them (`--case random-N` draws the schedule anew).
+pub fn replay_command(saga: &Path, options: &CampaignOptions, case: &str) -> String {
+    let mut words = vec!["sagabox".to_string()];
+    words.extend(options.replay_plugin_args.iter().cloned());
+    words.extend(["verify".to_string(), saga.display().to_string()]);
+    if let Some(state) = &options.state {
+        words.extend(["--state".to_string(), state.display().to_string()]);
+    }
+    words.extend(["--seed".to_string(), options.seed.to_string(), "--case".to_string(), case.to_string()]);
+    words.iter().map(|w| shell_quote(w)).collect::<Vec<_>>().join(" ")
+}
+
+/// `word` as one word of a POSIX shell command: as it is when nothing in it is special,
+/// else in single quotes.
+fn shell_quote(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./:=@%+,".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
 }
 
 fn plugins_of(runtime: &Runtime, saga: &Saga) -> BTreeMap<String, String> {
@@ -571,7 +603,14 @@ fn expected_mismatches(expected: &Value, state: &State) -> Vec<DiffEntry> {
 }
 
 /// Compares a case's outcome with what it had to end in.
-fn judge(subject: &Subject, case: &Case, run: &RunReport, state: &State, clean: &CleanRun, seed: u64) -> CaseReport {
+fn judge(
+    subject: &Subject,
+    case: &Case,
+    run: &RunReport,
+    state: &State,
+    clean: &CleanRun,
+    replay: String,
+) -> CaseReport {
     let saga = &subject.saga;
     let ledgers = &saga.plan.ledgers;
     let initial = &subject.initial;
@@ -689,6 +728,37 @@ fn judge(subject: &Subject, case: &Case, run: &RunReport, state: &State, clean: 
         ledger_changes,
         verdict,
         reason,
-        replay: replay(saga, seed, &case.id),
+        replay,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replay_commands_repeat_every_option_that_decides_the_case_quoted_for_a_shell() {
+        let options = CampaignOptions {
+            seed: 7,
+            runs: 3,
+            kinds: vec![FaultKind::Trap],
+            state: Some(PathBuf::from("it's here/db")),
+            replay_plugin_args: ["--no-bundled", "--plugins", "my plugins", "--operator", "op.toml"]
+                .map(String::from)
+                .to_vec(),
+            ..CampaignOptions::default()
+        };
+        assert_eq!(
+            replay_command(Path::new("sagas/a b.json"), &options, "hotel:trap@concurrent"),
+            "sagabox --no-bundled --plugins 'my plugins' --operator op.toml verify 'sagas/a b.json' \
+             --state 'it'\\''s here/db' --seed 7 --case hotel:trap@concurrent"
+        );
+        let plain = CampaignOptions::default();
+        assert_eq!(
+            replay_command(Path::new("sagas/travel.json"), &plain, "clean"),
+            "sagabox verify sagas/travel.json --seed 0 --case clean"
+        );
+        assert_eq!(shell_quote(""), "''");
+        assert_eq!(shell_quote("$HOME"), "'$HOME'");
     }
 }
