@@ -238,8 +238,11 @@ pub struct Args {
     /// Steps of the long saga the scale benchmark validates, runs and rolls back.
     #[arg(long, default_value_t = 10_000)]
     scale_steps: usize,
+    /// langchain-compensation CT1 runs through its middleware (the agent loop runs an eighth).
+    #[arg(long, default_value_t = 2000)]
+    peer_sagas: usize,
     /// Benchmark groups to run: runtime, sagas, cli, memory, verify, durable, snapshot, scale, serve
-    /// [default: all].
+    /// [default: all of these], and peers (only when named: it sets up a Python venv from PyPI).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Print JSON instead of a table.
@@ -253,6 +256,7 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
     let runtime = Arc::new(plugin_args.load().await?);
     let mut results = Vec::new();
     let mut rates: Vec<(String, f64)> = Vec::new();
+    let mut peers = Vec::new();
     if wants("runtime") {
         let airline = sagabox::runtime::bundled_wasm("airline").ok_or_else(|| anyhow::anyhow!("no bundled airline"))?;
         results.extend(plugin_load(airline, 5).await?);
@@ -374,9 +378,19 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
             results.push(latency);
         }
     }
+    if args.only.iter().any(|g| g == "peers") {
+        let sagas_dir = std::path::absolute(&args.sagas_dir)?;
+        let (saga, state, input) = shipped_saga(&runtime, &sagas_dir, "ct1-payment-failure")?;
+        let ct1 = SagaboxCt1 { runtime: runtime.clone(), saga: Arc::new(saga), state, input, sagas: args.sagas };
+        let venv_dir = cache.clone().unwrap_or_else(|| std::env::temp_dir().join("sagabox")).join(PEER_VENV);
+        peers = compare_langchain_compensation(&ct1, &venv_dir, &sagas_dir, args.peer_sagas).await?;
+    }
     if args.json {
         let rates: Vec<_> = rates.iter().map(|(name, rate)| json!({ "name": name, "per_second": rate })).collect();
-        println!("{}", serde_json::to_string_pretty(&json!({ "measurements": results, "rates": rates }))?);
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({ "measurements": results, "rates": rates, "peers": peers }))?
+        );
     } else {
         let mut table = comfy_table::Table::new();
         table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header([
@@ -395,13 +409,35 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
                 m.samples.to_string(),
             ]);
         }
-        println!("{table}");
+        if !results.is_empty() {
+            println!("{table}");
+        }
         let mut table = comfy_table::Table::new();
         table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(["throughput", "per second"]);
         for (name, rate) in &rates {
             table.add_row([name.clone(), format!("{rate:.0}")]);
         }
-        println!("{table}");
+        if !rates.is_empty() {
+            println!("{table}");
+        }
+        if !peers.is_empty() {
+            let mut table = comfy_table::Table::new();
+            table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header([
+                "CT1 rolled back, one run: sagabox | langchain-compensation 0.5.8",
+                "sagabox",
+                "peer",
+                "sagabox / peer",
+            ]);
+            for p in &peers {
+                table.add_row([
+                    p.name.clone(),
+                    format!("{:.0}", p.sagabox),
+                    format!("{:.1}", p.peer),
+                    format!("{:.1}×", p.ratio),
+                ]);
+            }
+            println!("{table}");
+        }
     }
     Ok(super::Outcome::Success)
 }
@@ -590,4 +626,189 @@ fn snapshot_costs(mb: f64) -> anyhow::Result<Vec<Measurement>> {
 
 fn format_us(us: f64) -> String {
     if us >= 10_000.0 { format!("{:.1} ms", us / 1000.0) } else { format!("{us:.1} µs") }
+}
+
+/// The langchain-compensation peer (host/peer-bench/langchain_compensation/), carried in the
+/// binary so that `bench --only peers` runs from anywhere.
+const PEER_SCRIPT: &str = include_str!("../../peer-bench/langchain_compensation/ct1.py");
+const PEER_LOCK: &str = include_str!("../../peer-bench/langchain_compensation/requirements.lock");
+const PEER_VENV: &str = "py-venv-langchain-compensation";
+
+/// sagabox's side of a peer comparison: CT1, sandboxed, on fresh copies of its fixture.
+struct SagaboxCt1 {
+    runtime: Arc<Runtime>,
+    saga: Arc<Saga>,
+    state: State,
+    input: serde_json::Value,
+    sagas: usize,
+}
+
+impl SagaboxCt1 {
+    /// (sagas per second, sagas per CPU-second of this process) with `concurrency` in flight.
+    async fn measure(&self, concurrency: usize) -> anyhow::Result<(f64, f64)> {
+        let cpu = cpu_seconds();
+        let t = saga_throughput(
+            self.runtime.clone(),
+            self.saga.clone(),
+            self.state.clone(),
+            self.input.clone(),
+            self.sagas,
+            concurrency,
+            Status::Failed,
+        )
+        .await?;
+        let count = self.sagas.div_ceil(concurrency) * concurrency;
+        Ok((t.per_second, count as f64 / (cpu_seconds() - cpu)))
+    }
+}
+
+/// One line of a peer comparison: the same quantity for sagabox and for the peer.
+#[derive(Debug, Serialize)]
+pub struct PeerRow {
+    pub name: String,
+    pub sagabox: f64,
+    pub peer: f64,
+    pub ratio: f64,
+}
+
+fn peer_row(name: String, sagabox: f64, peer: f64) -> PeerRow {
+    PeerRow { name, sagabox, peer, ratio: sagabox / peer }
+}
+
+/// CPU time (user + system) this process has used, all threads, in seconds.
+fn cpu_seconds() -> f64 {
+    // SAFETY: getrusage(2) fills the zeroed struct it is given.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let seconds = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    seconds(usage.ru_utime) + seconds(usage.ru_stime)
+}
+
+/// CT1 rolled back by sagabox (sandboxed) and by langchain-compensation 0.5.8 in one run: wall
+/// clock rates and rates per CPU-second (the Python side runs on one core, under the GIL).
+async fn compare_langchain_compensation(
+    ct1: &SagaboxCt1,
+    venv_dir: &Path,
+    sagas_dir: &Path,
+    peer_sagas: usize,
+) -> anyhow::Result<Vec<PeerRow>> {
+    let dir = venv_dir.to_path_buf();
+    let python = tokio::task::spawn_blocking(move || peer_venv(&dir, PEER_LOCK)).await??;
+    let script = venv_dir.join("ct1.py");
+    std::fs::write(&script, PEER_SCRIPT).with_context(|| format!("cannot write {}", script.display()))?;
+    let run_peer = |mode: &'static str, sagas: usize| {
+        let (python, script, sagas_dir) = (python.clone(), script.clone(), sagas_dir.to_path_buf());
+        tokio::task::spawn_blocking(move || run_peer_script(&python, &script, &sagas_dir, mode, sagas))
+    };
+    let (ours, ours_cpu) = ct1.measure(1).await?;
+    let middleware = run_peer("middleware", peer_sagas).await??;
+    let agent = run_peer("agent", (peer_sagas / 8).max(50)).await??;
+    let (ours64, ours64_cpu) = ct1.measure(64).await?;
+    let middleware_path = "peer: CompensationMiddleware.wrap_tool_call + @tools";
+    let agent_path = "peer: create_comp_agent, scripted model";
+    Ok(vec![
+        peer_row(format!("sagas/s: sandboxed, 1 in flight | {middleware_path}"), ours, middleware.0),
+        peer_row(format!("sagas per CPU-second: sandboxed, 1 in flight | {middleware_path}"), ours_cpu, middleware.1),
+        peer_row(
+            format!("sagas per CPU-second: sandboxed, 64 in flight | {middleware_path}"),
+            ours64_cpu,
+            middleware.1,
+        ),
+        peer_row(
+            format!("sagas/s: sandboxed, 64 in flight (all cores) | {middleware_path} (GIL: one core)"),
+            ours64,
+            middleware.0,
+        ),
+        peer_row(format!("sagas/s: sandboxed, 1 in flight | {agent_path}"), ours, agent.0),
+        peer_row(format!("sagas per CPU-second: sandboxed, 1 in flight | {agent_path}"), ours_cpu, agent.1),
+    ])
+}
+
+/// Runs the peer's script; (sagas per second, sagas per CPU-second). The script exits non-zero
+/// when a saga was not rolled back.
+fn run_peer_script(
+    python: &Path,
+    script: &Path,
+    sagas_dir: &Path,
+    mode: &str,
+    sagas: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let mut command = std::process::Command::new(python);
+    command
+        .arg(script)
+        .args(["--mode", mode, "--sagas", &sagas.to_string(), "--sagas-dir"])
+        .arg(sagas_dir)
+        // No LangSmith tracing: it would send every run over the network.
+        .env("LANGSMITH_TRACING", "false")
+        .env("LANGCHAIN_TRACING_V2", "false");
+    let stdout = checked(&mut command).context("the langchain-compensation peer failed")?;
+    let line = stdout.lines().last().unwrap_or_default();
+    let report: serde_json::Value = serde_json::from_str(line)
+        .with_context(|| format!("the langchain-compensation peer printed no JSON summary: {stdout}"))?;
+    let rate = |field: &str| {
+        report[field].as_f64().ok_or_else(|| anyhow::anyhow!("the peer's summary has no {field}: {line}"))
+    };
+    Ok((rate("sagas_per_second")?, rate("sagas_per_cpu_second")?))
+}
+
+/// `dir` holding a venv with exactly the packages of `lock` (pip --no-deps, then `pip check`),
+/// built the first time and again whenever the lock or the Python changes; returns its python.
+/// `SAGABOX_PYTHON` names another interpreter than `python3`.
+fn peer_venv(dir: &Path, lock: &str) -> anyhow::Result<std::path::PathBuf> {
+    let base = std::env::var("SAGABOX_PYTHON").unwrap_or_else(|_| "python3".into());
+    let version = checked(std::process::Command::new(&base).arg("--version")).with_context(|| {
+        format!(
+            "the langchain-compensation peer needs CPython 3.11 with venv and pip: `{base} --version` failed \
+             (install python3 and python3-venv, or set SAGABOX_PYTHON)"
+        )
+    })?;
+    let stamp = format!("{}\n{}", sagabox::json::sha256_hex(lock.as_bytes()), version.trim());
+    let parent = dir.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    // Two benches at once build the venv once.
+    let guard = std::fs::File::create(dir.with_extension("lock"))?;
+    guard.lock()?;
+    let python = dir.join("bin/python");
+    let stamp_path = dir.join("sagabox-stamp");
+    if python.exists() && std::fs::read_to_string(&stamp_path).is_ok_and(|s| s == stamp) {
+        return Ok(python);
+    }
+    eprintln!("setting up {} from PyPI (langchain-compensation 0.5.8, every package pinned)…", dir.display());
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).with_context(|| format!("cannot remove {}", dir.display()))?;
+    }
+    checked(std::process::Command::new(&base).args(["-m", "venv"]).arg(dir))
+        .with_context(|| format!("`{base} -m venv` failed (Debian and Ubuntu: apt-get install python3-venv)"))?;
+    let requirements = dir.join("requirements.lock");
+    std::fs::write(&requirements, lock)?;
+    let pip = |args: &[&str]| {
+        let mut command = std::process::Command::new(&python);
+        command.args(["-m", "pip", "--disable-pip-version-check", "--no-input"]).args(args);
+        command
+    };
+    // --no-deps: the lock pins every package, and `pip check` proves that none is missing.
+    checked(pip(&["install", "--no-deps", "--requirement"]).arg(&requirements))
+        .context("cannot install the langchain-compensation peer's packages from PyPI")?;
+    checked(&mut pip(&["check"])).context("the peer's venv is incomplete")?;
+    std::fs::write(&stamp_path, stamp)?;
+    Ok(python)
+}
+
+/// Runs `command` to its end; its stdout, or an error with everything it printed.
+fn checked(command: &mut std::process::Command) -> anyhow::Result<String> {
+    let out =
+        command.stdin(std::process::Stdio::null()).output().with_context(|| format!("cannot start {command:?}"))?;
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() {
+        anyhow::bail!(
+            "{command:?}: {}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+            out.status,
+            stdout.trim_end(),
+            stderr.trim_end()
+        );
+    }
+    Ok(stdout.into_owned())
 }
