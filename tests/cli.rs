@@ -47,7 +47,9 @@ fn plugins_lists_every_bundled_tool_and_a_second_run_does_not_recompile() {
             "payment",
             "rental",
             "resources",
-            "shipping"
+            "shipping",
+            "taubench_airline",
+            "taubench_retail"
         ]
     );
     assert!(plugins.iter().all(|p| p["compiled"] == "compiled" && p["sha256"].as_str().unwrap().len() == 64));

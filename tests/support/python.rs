@@ -31,7 +31,7 @@ fn target_dir() -> PathBuf {
 /// The interpreter of the venv for the MCP scenarios (`mcp==2.3.0`, tests/mcp/).
 pub fn venv() -> PathBuf {
     static PYTHON: OnceLock<PathBuf> = OnceLock::new();
-    PYTHON.get_or_init(|| ensure_venv("py-venv", &workspace().join("tests/mcp/requirements.lock"))).clone()
+    PYTHON.get_or_init(|| ensure_venv("py-venv", &workspace().join("tests/mcp/requirements.lock"), PIP_CHECK)).clone()
 }
 
 /// The interpreter of the LangGraph example's venv (examples/langgraph/): a venv of its own,
@@ -39,12 +39,19 @@ pub fn venv() -> PathBuf {
 pub fn langgraph_venv() -> PathBuf {
     static PYTHON: OnceLock<PathBuf> = OnceLock::new();
     PYTHON
-        .get_or_init(|| ensure_venv("py-venv-langgraph", &workspace().join("examples/langgraph/requirements.lock")))
+        .get_or_init(|| {
+            ensure_venv("py-venv-langgraph", &workspace().join("examples/langgraph/requirements.lock"), PIP_CHECK)
+        })
         .clone()
 }
 
-/// `target/NAME` holding a venv with exactly the packages of `lock`; returns its python.
-fn ensure_venv(name: &str, lock: &Path) -> PathBuf {
+/// The check that a venv is complete when its lock pins every dependency: `pip check`.
+pub const PIP_CHECK: &[&str] = &["-m", "pip", "check"];
+
+/// `target/NAME` holding a venv with exactly the packages of `lock` (installed with
+/// `--no-deps`), then `python CHECK...` run to prove that nothing is missing; returns its python.
+/// Built again when the lock or the Python changes.
+pub fn ensure_venv(name: &str, lock: &Path, check: &[&str]) -> PathBuf {
     let base = std::env::var("SAGABOX_PYTHON").unwrap_or_else(|_| "python3".into());
     let requirements = std::fs::read(lock).unwrap_or_else(|e| panic!("cannot read {}: {e}", lock.display()));
     let version = run(Command::new(&base).arg("--version"), Duration::from_secs(60));
@@ -72,9 +79,9 @@ fn ensure_venv(name: &str, lock: &Path) -> PathBuf {
         command.args(["-m", "pip", "--disable-pip-version-check", "--no-input"]).args(args);
         command
     };
-    // --no-deps: the lock pins every package, and `pip check` proves that none is missing.
+    // --no-deps: the lock pins every package, and the check proves that none is missing.
     run(pip(&["install", "--no-deps", "--requirement"]).arg(lock), pip_timeout);
-    run(&mut pip(&["check"]), pip_timeout);
+    run(Command::new(&python).args(check).env("PYTHONDONTWRITEBYTECODE", "1"), pip_timeout);
     std::fs::write(&stamp_path, stamp).expect("the venv's stamp");
     eprintln!("created {} from {} in {:.0?}", dir.display(), lock.display(), started.elapsed());
     python

@@ -15,6 +15,9 @@ pub mod payment;
 pub mod rental;
 pub mod resources;
 pub mod shipping;
+pub mod taubench;
+pub mod taubench_airline;
+pub mod taubench_retail;
 
 pub use common::{
     Args, Context, Plugin, Store, StoreErrorKind, StoreExt, ToolError, ToolSpec, compensator_schema, to_json,
@@ -32,6 +35,8 @@ pub fn native_plugin(name: &str) -> Option<NativePlugin> {
         "rental" => NativePlugin::of::<rental::Rental>(),
         "resources" => NativePlugin::of::<resources::Resources>(),
         "shipping" => NativePlugin::of::<shipping::Shipping>(),
+        "taubench_airline" => NativePlugin::of::<taubench_airline::TaubenchAirline>(),
+        "taubench_retail" => NativePlugin::of::<taubench_retail::TaubenchRetail>(),
         _ => return None,
     })
 }

@@ -8,6 +8,7 @@ mod bench;
 mod call;
 mod durable;
 mod fixtures;
+mod new;
 mod plugins;
 mod run;
 mod serve;
@@ -127,6 +128,8 @@ enum Command {
     Fixtures(fixtures::Command),
     /// Measure plugin loading and per-call costs; prints numbers.
     Bench(bench::Args),
+    /// Write a ready-to-build plugin project (Rust, Python or JavaScript) with a saga.
+    New(new::Args),
 }
 
 /// What a command reports back: success, or a failure the output already explained.
@@ -160,6 +163,7 @@ pub fn main() -> ExitCode {
             Command::Serve(args) => serve::run(&cli.plugins, args).await,
             Command::Fixtures(command) => fixtures::run(command),
             Command::Bench(args) => bench::run(&cli.plugins, args).await,
+            Command::New(args) => new::run(args),
         }
     });
     match result {
@@ -188,6 +192,8 @@ fn init_logging(verbose: u8) {
         1 => "debug",
         _ => "trace",
     };
+    // A plugin's first compile can take tens of seconds: say so, and which plugin.
+    let default = format!("{default},{}=info", sagabox::runtime::COMPILE_PROGRESS);
     let filter = tracing_subscriber::EnvFilter::try_from_env("SAGABOX_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     // No colour codes in logs that go to a file or a pipe.

@@ -54,6 +54,11 @@ pub struct Args {
     #[arg(long, default_value_t = 2)]
     concurrency: usize,
 
+    /// Write the campaign as one self-contained HTML page to FILE: summary metrics, a
+    /// timeline per case, and the diff and replay command of every failing case.
+    #[arg(long, value_name = "FILE")]
+    html: Option<PathBuf>,
+
     /// Print the report and the timing as JSON instead of a summary.
     #[arg(long)]
     json: bool,
@@ -115,6 +120,10 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
     if let Some(path) = &args.timing {
         let text = serde_json::to_string_pretty(&timing)? + "\n";
         std::fs::write(path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    if let Some(path) = &args.html {
+        std::fs::write(path, verify::html::render(&report, &timing))
+            .with_context(|| format!("cannot write {}", path.display()))?;
     }
     if args.json {
         println!("{}", serde_json::to_string_pretty(&serde_json::json!({ "report": report, "timing": timing }))?);
@@ -186,14 +195,11 @@ fn print_summary(report: &CampaignReport, timing: &Timing) {
             println!("  expected {}; observed {}", case.expected, case.observed.as_str());
             for d in &case.diff {
                 println!("  {} {}/{}", d.change, d.namespace, d.key);
-                let at = |doc: &Option<serde_json::Value>, field: &str| {
-                    doc.as_ref().and_then(|v| v.pointer(field)).map_or("(absent)".to_string(), |v| v.to_string())
-                };
-                for field in &d.fields {
-                    println!("    {field}: {} -> {}", at(&d.before, field), at(&d.after, field));
-                }
-                if d.fields.is_empty() {
-                    println!("    {} -> {}", at(&d.before, ""), at(&d.after, ""));
+                for [field, before, after] in verify::field_changes(d) {
+                    match field.is_empty() {
+                        true => println!("    {before} -> {after}"),
+                        false => println!("    {field}: {before} -> {after}"),
+                    }
                 }
             }
             println!("  replay: {}", case.replay);

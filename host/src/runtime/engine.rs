@@ -188,19 +188,54 @@ impl CompileCache {
         sha256: &str,
     ) -> wasmtime::Result<(Component, CompileSource)> {
         let Some(path) = self.dir.as_ref().map(|dir| dir.join(entry_name(engine, sha256))) else {
-            return Ok((Component::new(engine, wasm)?, CompileSource::Compiled));
+            return Ok((compile(engine, wasm)?, CompileSource::Compiled));
         };
         match read_entry(&path).and_then(|bytes| bytes.map(|b| deserialize(engine, &b)).transpose()) {
             Ok(Some(component)) => return Ok((component, CompileSource::Cached)),
             Ok(None) => {}
             Err(e) => tracing::warn!("ignoring unusable cache entry {}: {e}", path.display()),
         }
-        let component = Component::new(engine, wasm)?;
+        let component = compile(engine, wasm)?;
         if let Err(e) = store_entry(&path, &component.serialize()?) {
             tracing::warn!("cannot write cache entry {}: {e}", path.display());
         }
         Ok((component, CompileSource::Compiled))
     }
+}
+
+/// The log target of compile progress, which the CLI shows by default.
+pub const COMPILE_PROGRESS: &str = "sagabox::compile";
+
+/// How often a compile still running says so.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
+/// Compiles `wasm`, saying so (a large plugin takes tens of seconds on its first load) and,
+/// while it lasts, every [`PROGRESS_EVERY`] for how long: info events of target
+/// [`COMPILE_PROGRESS`], inside the caller's span (which names the plugin).
+fn compile(engine: &Engine, wasm: &[u8]) -> wasmtime::Result<Component> {
+    let started = std::time::Instant::now();
+    let size = format!("{:.1} MB", wasm.len() as f64 / 1e6);
+    tracing::info!(target: COMPILE_PROGRESS, "compiling the plugin ({size}); the result is cached for later loads");
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let (span, shown) = (tracing::Span::current(), size.clone());
+    let ticker = std::thread::Builder::new().name("sagabox-compile-progress".into()).spawn(move || {
+        let size = shown;
+        let _entered = span.enter();
+        while finished.recv_timeout(PROGRESS_EVERY) == Err(std::sync::mpsc::RecvTimeoutError::Timeout) {
+            let elapsed = started.elapsed().as_secs();
+            tracing::info!(target: COMPILE_PROGRESS, "still compiling the plugin ({size}): {elapsed} s");
+        }
+    });
+    let component = Component::new(engine, wasm);
+    drop(done);
+    if let Ok(ticker) = ticker {
+        let _ = ticker.join();
+    }
+    if started.elapsed() >= PROGRESS_EVERY {
+        let took = started.elapsed().as_secs_f64();
+        tracing::info!(target: COMPILE_PROGRESS, "compiled the plugin ({size}) in {took:.1} s");
+    }
+    component
 }
 
 /// `dir` if this user may trust it as a cache (creating it if missing), else `None`.

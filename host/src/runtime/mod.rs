@@ -10,6 +10,7 @@
 mod access;
 mod engine;
 pub mod error;
+mod http;
 mod native;
 pub mod operator;
 mod plugin;
@@ -25,7 +26,7 @@ use serde::Serialize;
 use serde_json::Value;
 use wasmtime::{Store, Trap, UpdateDeadline};
 
-pub use engine::{CompileCache, CompileSource, EngineOptions};
+pub use engine::{COMPILE_PROGRESS, CompileCache, CompileSource, EngineOptions};
 pub use error::{CallError, FailureKind, LoadError};
 pub use operator::{Grant, Operator, OperatorError};
 pub use plugin::{BundledPlugin, LoadCaps, Origin, Plugin, Tool, ToolInfo, valid_name};

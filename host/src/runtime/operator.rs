@@ -370,6 +370,13 @@ impl NetAllow {
         self.targets.iter().any(|t| t.host == name)
     }
 
+    /// Whether a plugin may reach `name` on `port` through the host (an HTTP request, which
+    /// the host sends to the name itself).
+    pub fn allows_endpoint(&self, name: &str, port: u16) -> bool {
+        let name = NetTarget::normalize_host(name);
+        self.targets.iter().any(|t| t.host == name && t.port == port)
+    }
+
     /// Whether a plugin may connect to `addr`.
     pub async fn allows(&self, addr: SocketAddr) -> bool {
         let ip = addr.ip().to_canonical();
@@ -514,6 +521,8 @@ mod tests {
         assert!(allow.allows("127.0.0.1:81".parse().unwrap()).await, "localhost resolves to 127.0.0.1");
         assert!(!allow.allows("127.0.0.2:80".parse().unwrap()).await);
         assert!(!allow.allows("127.0.0.1:82".parse().unwrap()).await);
+        assert!(allow.allows_endpoint("LOCALHOST", 81) && allow.allows_endpoint("[127.0.0.1]", 80));
+        assert!(!allow.allows_endpoint("localhost", 80), "a host is granted on its listed port only");
         assert!(!NetAllow::default().is_granted());
     }
 }

@@ -21,7 +21,7 @@ use crate::store::Txn;
 
 /// The WASI version this host implements (wasmtime-wasi 48); guests built against any
 /// 0.2.x version link to it.
-const WASI_VERSION: &str = "0.2.12";
+pub(super) const WASI_VERSION: &str = "0.2.12";
 
 /// Bytes of a guest's stderr kept for trap messages.
 const STDERR_CAPTURE: usize = 4096;
@@ -208,6 +208,7 @@ impl ResourceLimiter for CallLimiter {
 /// The data of one call's `Store`.
 pub(crate) struct CallState {
     wasi: WasiCtx,
+    http: wasmtime_wasi_http::WasiHttpCtx,
     table: ResourceTable,
     pub limiter: CallLimiter,
     pub txn: Txn,
@@ -241,6 +242,16 @@ pub trait LogSink: Send + Sync {
 impl WasiView for CallState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+impl wasmtime_wasi_http::WasiHttpView for CallState {
+    fn http(&mut self) -> wasmtime_wasi_http::WasiHttpCtxView<'_> {
+        wasmtime_wasi_http::WasiHttpCtxView {
+            ctx: &mut self.http,
+            table: &mut self.table,
+            hooks: wasmtime_wasi_http::default_hooks(),
+        }
     }
 }
 
@@ -309,6 +320,7 @@ impl CallState {
         }
         Ok(CallState {
             wasi: wasi.build(),
+            http: wasmtime_wasi_http::WasiHttpCtx::new(),
             table: ResourceTable::new(),
             limiter: CallLimiter::new(limits),
             txn,
@@ -326,6 +338,22 @@ impl CallState {
     fn stop(&mut self, why: Abort) -> wasmtime::Error {
         self.abort.get_or_insert(why);
         wasmtime::Error::new(HostStop)
+    }
+
+    /// Stops the call unless the network grant lists `host` (on `port`, when known): the
+    /// check of name lookups and of HTTP requests.
+    pub(super) fn check_endpoint(&mut self, host: &str, port: Option<u16>, what: &str) -> wasmtime::Result<()> {
+        let network = &self.grants.network;
+        let allowed = match port {
+            Some(port) => network.allows_endpoint(host, port),
+            None => network.allows_name(host),
+        };
+        if allowed {
+            return Ok(());
+        }
+        let target = port.map_or_else(|| format!("'{host}'"), |port| format!("'{host}:{port}'"));
+        let what = format!("{what} to {target} is not granted (granted: {})", network.describe());
+        Err(self.stop(Abort::AccessDenied(what)))
     }
 
     fn granted(&mut self) -> Granted<'_> {
@@ -374,9 +402,12 @@ fn fire_armed(cx: &mut StoreContextMut<'_, CallState>) -> wasmtime::Result<()> {
 pub(crate) fn linker(engine: &Engine, grants: &Grants) -> wasmtime::Result<Linker<CallState>> {
     let mut linker = Linker::new(engine);
     wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+    super::http::add_to_linker(&mut linker)?;
     add_store(&mut linker)?;
     add_log(&mut linker)?;
     linker.allow_shadowing(true);
+    // Every HTTP request is checked, granted or not: without a grant each one is refused.
+    super::http::add_checks(&mut linker)?;
     if grants.network.is_granted() {
         // Outgoing TCP to the granted hosts only: no UDP, every lookup and connect checked.
         deny(&mut linker, "sockets/udp-create-socket", "create-udp-socket", "UDP")?;
@@ -414,11 +445,7 @@ fn add_network_checks(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
         "resolve-addresses",
         |mut cx, (net, name): (Resource<network::Network>, String)| -> wasmtime::Result<(Lookup,)> {
             let state = cx.data_mut();
-            if !state.grants.network.allows_name(&name) {
-                let granted = state.grants.network.describe();
-                let what = format!("network access to '{name}' is not granted (granted: {granted})");
-                return Err(state.stop(Abort::AccessDenied(what)));
-            }
+            state.check_endpoint(&name, None, "network access")?;
             let mut view = state.sockets();
             match ip_name_lookup::Host::resolve_addresses(&mut view, net, name) {
                 Ok(stream) => Ok((Ok(stream),)),

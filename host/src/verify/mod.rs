@@ -10,6 +10,7 @@
 //! what scheduling cannot change: verdict, final status and state digests.
 
 pub mod cases;
+pub mod html;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -117,6 +118,9 @@ pub struct CaseReport {
     pub reason: String,
     /// The command that runs this case again.
     pub replay: String,
+    /// The run drawn on logical time, for `--html` (deterministic cases only).
+    #[serde(skip)]
+    pub timeline: Option<html::Timeline>,
 }
 
 /// Campaign metrics of one saga (or all).
@@ -223,6 +227,9 @@ pub struct SagaReport {
     pub plugins: BTreeMap<String, String>,
     pub fixture_digest: String,
     pub ledgers: Vec<String>,
+    /// The saga's steps, the lanes of its cases' timelines.
+    #[serde(skip)]
+    pub steps: Vec<html::Lane>,
     pub metrics: Metrics,
     /// What failed the saga's campaign outside any case's verdict.
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -481,6 +488,7 @@ pub async fn execute(
             plugins: plugins_of(&runtime, &subject.saga),
             fixture_digest: subject.initial.digest(),
             ledgers: subject.saga.plan.ledgers.clone(),
+            steps: html::Lane::of(&subject.saga.plan),
             metrics,
             problems,
             cases: reports,
@@ -729,7 +737,25 @@ fn judge(
         verdict,
         reason,
         replay,
+        timeline: serial.then(|| html::Timeline::of(run, &saga.plan, &case.faults)),
     }
+}
+
+/// Each field in which `entry` differs, as text: `[JSON pointer ("" for the whole
+/// document), the value the case had to end with, the one it ended with]`, a missing value
+/// being `(absent)`.
+pub fn field_changes(entry: &DiffEntry) -> Vec<[String; 3]> {
+    let at = |doc: &Option<Value>, field: &str| {
+        doc.as_ref().and_then(|v| v.pointer(field)).map_or("(absent)".to_string(), |v| v.to_string())
+    };
+    let fields = if entry.fields.is_empty() { vec![String::new()] } else { entry.fields.clone() };
+    fields
+        .into_iter()
+        .map(|field| {
+            let (before, after) = (at(&entry.before, &field), at(&entry.after, &field));
+            [field, before, after]
+        })
+        .collect()
 }
 
 #[cfg(test)]
