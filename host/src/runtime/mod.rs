@@ -60,6 +60,9 @@ pub(crate) mod bindings {
 /// How many times a call runs when its commit keeps conflicting with other commits.
 pub const MAX_COMMIT_RUNS: u32 = 16;
 
+/// Runs after which a call that keeps conflicting queues for the runtime's contention gate.
+const UNGATED_RUNS: u32 = 2;
+
 /// Where plugins come from and how they run.
 #[derive(Clone, Debug)]
 pub struct RuntimeOptions {
@@ -186,6 +189,10 @@ pub struct Runtime {
     defaults: Limits,
     native_tools: bool,
     plugins: BTreeMap<String, Arc<Plugin>>,
+    /// Held by a call while it runs again after [`UNGATED_RUNS`] conflicts: contended calls
+    /// then take turns (first come, first served) instead of invalidating each other's reads
+    /// until one runs out of runs, so a hot document cannot starve a call.
+    contention: tokio::sync::Mutex<()>,
 }
 
 impl Runtime {
@@ -199,6 +206,7 @@ impl Runtime {
             defaults: options.defaults.clone(),
             native_tools: options.native_tools,
             plugins: BTreeMap::new(),
+            contention: tokio::sync::Mutex::new(()),
         };
         let (sources, mut errors) = sources(&options);
         let sources = first_of_each_name(sources, &mut errors);
@@ -534,7 +542,8 @@ impl Runtime {
 
     /// Runs a call on the state `snapshot` gives and hands its result to `commit`; when the
     /// commit meets a conflict, waits a little and runs the call again on a fresh snapshot,
-    /// up to [`MAX_COMMIT_RUNS`] runs. A failed call commits nothing.
+    /// up to [`MAX_COMMIT_RUNS`] runs, after [`UNGATED_RUNS`] of them in turn with the other
+    /// contended calls. A failed call commits nothing.
     pub async fn call_and_commit<T, E>(
         &self,
         qualified: &str,
@@ -544,8 +553,12 @@ impl Runtime {
         mut commit: impl FnMut(&Invocation, &Value) -> CommitAttempt<T, E>,
     ) -> Committed<T, E> {
         let mut runs = 0;
+        let mut turn = None;
         loop {
             runs += 1;
+            if runs > UNGATED_RUNS && turn.is_none() {
+                turn = Some(self.contention.lock().await);
+            }
             let invocation = self.invoke(qualified, args, options, snapshot()).await;
             let (fuel_used, elapsed) = (invocation.fuel_used, invocation.elapsed);
             let done = |result| Committed { result, fuel_used, elapsed, runs };
