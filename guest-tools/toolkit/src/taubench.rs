@@ -13,7 +13,7 @@
 
 use serde_json::{Map, Number, Value, json};
 
-use crate::common::{Context, Store, StoreExt, ToolError};
+use crate::common::{Context, Store, StoreExt, ToolError, ToolSpec, unknown_tool};
 
 pub fn string() -> Value {
     json!({ "type": "string" })
@@ -423,6 +423,42 @@ pub fn members(text: &str) -> Option<Vec<(&str, &str)>> {
 
 // ---------------------------------------------------------------------------------------------
 // calculate: Python's arithmetic on the characters tau2 allows
+
+/// The read tools every tau2 domain has, as tau2 describes them.
+pub fn shared_queries() -> [ToolSpec; 2] {
+    [
+        ToolSpec::query(
+            "calculate",
+            "The value of an arithmetic expression of numbers, + - * / and parentheses, \
+             rounded to 2 decimals.",
+            object(json!({ "expression": string() }), &["expression"]),
+        ),
+        ToolSpec::query(
+            "transfer_to_human_agents",
+            "Hand the user over to a human agent, with a summary of the user's issue.",
+            object(json!({ "summary": string() }), &["summary"]),
+        ),
+    ]
+}
+
+/// Serves what every domain serves alike: the [`shared_queries`], and the `undo_<tool>`
+/// compensator of each of the domain's `writes` from its write log `log`.
+pub fn call_shared(
+    store: &mut dyn Store,
+    tool: &str,
+    args: &Value,
+    writes: &[(&str, &str)],
+    log: &str,
+) -> Result<Value, ToolError> {
+    match tool {
+        "calculate" => calculate(str_arg(args, "expression")?).map(Value::String).map_err(ToolError::Rejected),
+        "transfer_to_human_agents" => Ok(json!("Transfer successful")),
+        other => match writes.iter().find(|(_, undo)| *undo == other) {
+            Some((forward, _)) => undo(store, log, forward, args),
+            None => Err(unknown_tool(other)),
+        },
+    }
+}
 
 /// tau2's `calculate`: the expression evaluated as Python would, as `str(round(float(x), 2))`.
 pub fn calculate(expression: &str) -> Result<String, String> {

@@ -27,10 +27,10 @@ use std::collections::BTreeMap;
 
 use serde_json::{Map, Value, json};
 
-use crate::common::{Context, Plugin, Store, StoreExt, ToolError, ToolSpec, add_days, record_id, unknown_tool};
+use crate::common::{Context, Plugin, Store, StoreExt, ToolError, ToolSpec, add_days, record_id};
 use crate::taubench::{
-    self, Docs, array_arg, calculate, float, int_arg, int_of, item_str, members, object, python_float, rejected,
-    str_arg, string, undo_schema,
+    self, Docs, array_arg, float, int_arg, int_of, item_str, members, object, python_float, rejected, str_arg, string,
+    undo_schema,
 };
 
 pub struct TaubenchAirline;
@@ -226,18 +226,8 @@ impl Plugin for TaubenchAirline {
                 "The status of a flight on a date.",
                 object(json!({ "flight_number": string(), "date": string() }), &["flight_number", "date"]),
             ),
-            ToolSpec::query(
-                "calculate",
-                "The value of an arithmetic expression of numbers, + - * / and parentheses, \
-                 rounded to 2 decimals.",
-                object(json!({ "expression": string() }), &["expression"]),
-            ),
-            ToolSpec::query(
-                "transfer_to_human_agents",
-                "Hand the user over to a human agent, with a summary of the user's issue.",
-                object(json!({ "summary": string() }), &["summary"]),
-            ),
         ];
+        tools.extend(taubench::shared_queries());
         for (tool, compensator) in WRITE_TOOLS {
             let description = match tool {
                 "book_reservation" => {
@@ -274,12 +264,7 @@ impl Plugin for TaubenchAirline {
                 Ok(AIRPORTS.iter().map(|(iata, city)| json!({ "iata": iata, "city": city })).collect())
             }
             "get_flight_status" => get_flight_status(store, args),
-            "calculate" => calculate(str_arg(args, "expression")?).map(Value::String).map_err(ToolError::Rejected),
-            "transfer_to_human_agents" => Ok(json!("Transfer successful")),
-            other => match WRITE_TOOLS.iter().find(|(_, undo)| *undo == other) {
-                Some((forward, _)) => taubench::undo(store, UNDO_NAMESPACE, forward, args),
-                None => Err(unknown_tool(other)),
-            },
+            other => taubench::call_shared(store, other, args, &WRITE_TOOLS, UNDO_NAMESPACE),
         }
     }
 }
@@ -331,6 +316,35 @@ fn instance<'a>(flight: &'a Value, number: &str, date: &str) -> Result<&'a Value
 /// A cabin's entry of `available_seats` or `prices` (Python's KeyError names the key).
 fn cabin_int(day: &Value, field: &str, cabin: &str) -> Result<i64, ToolError> {
     day[field].get(cabin).and_then(int_of).ok_or_else(|| rejected(format!("'{cabin}'")))
+}
+
+/// The reservation segment (as tau2 records it) of `count` passengers in `cabin` on flight
+/// `number` on `date`, and its price per passenger; refused as tau2 refuses a flight that is
+/// not on sale that day or lacks the seats.
+fn bookable_segment(
+    docs: &mut Docs<'_>,
+    number: &str,
+    date: &str,
+    cabin: &str,
+    count: i64,
+) -> Result<(Value, i64), ToolError> {
+    let flight = flight_doc(docs, number)?;
+    let day = instance(&flight, number, date)?;
+    if day["status"] != "available" {
+        return Err(rejected(format!("Flight {number} not available on date {date}")));
+    }
+    if cabin_int(day, "available_seats", cabin)? < count {
+        return Err(rejected(format!("Not enough seats on flight {number}")));
+    }
+    let price = cabin_int(day, "prices", cabin)?;
+    let segment = json!({
+        "flight_number": number,
+        "date": date,
+        "price": price,
+        "origin": flight["origin"],
+        "destination": flight["destination"],
+    });
+    Ok((segment, price))
 }
 
 fn passenger_count(reservation: &Value) -> i64 {
@@ -405,22 +419,8 @@ fn book_reservation(docs: &mut Docs<'_>, args: &Value, ctx: &Context) -> Result<
     let mut segments = Vec::new();
     let mut total_price = 0;
     for (number, date) in &flights {
-        let flight = flight_doc(docs, number)?;
-        let day = instance(&flight, number, date)?;
-        if day["status"] != "available" {
-            return Err(rejected(format!("Flight {number} not available on date {date}")));
-        }
-        if cabin_int(day, "available_seats", cabin)? < count {
-            return Err(rejected(format!("Not enough seats on flight {number}")));
-        }
-        let price = cabin_int(day, "prices", cabin)?;
-        segments.push(json!({
-            "origin": flight["origin"],
-            "destination": flight["destination"],
-            "flight_number": number,
-            "date": date,
-            "price": price,
-        }));
+        let (segment, price) = bookable_segment(docs, number, date, cabin, count)?;
+        segments.push(segment);
         total_price += price * count;
     }
     if insurance == "yes" {
@@ -560,22 +560,8 @@ fn update_reservation_flights(docs: &mut Docs<'_>, args: &Value, _: &Context) ->
             segments.push(old[index].clone());
             continue;
         }
-        let flight = flight_doc(docs, number)?;
-        let day = instance(&flight, number, date)?;
-        if day["status"] != "available" {
-            return Err(rejected(format!("Flight {number} not available on date {date}")));
-        }
-        if cabin_int(day, "available_seats", cabin)? < count {
-            return Err(rejected(format!("Not enough seats on flight {number}")));
-        }
-        let price = cabin_int(day, "prices", cabin)?;
-        segments.push(json!({
-            "flight_number": number,
-            "date": date,
-            "price": price,
-            "origin": flight["origin"],
-            "destination": flight["destination"],
-        }));
+        let (segment, price) = bookable_segment(docs, number, date, cabin, count)?;
+        segments.push(segment);
         added.push((number, date));
         total_price += price * count;
     }

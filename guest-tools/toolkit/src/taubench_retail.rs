@@ -23,10 +23,8 @@
 
 use serde_json::{Value, json};
 
-use crate::common::{Context, Plugin, Store, StoreExt, ToolError, ToolSpec, unknown_tool};
-use crate::taubench::{
-    self, Docs, array_arg, calculate, float, members, object, rejected, str_arg, string, undo_schema,
-};
+use crate::common::{Context, Plugin, Store, StoreExt, ToolError, ToolSpec};
+use crate::taubench::{self, Docs, array_arg, float, members, object, rejected, str_arg, string, undo_schema};
 
 pub struct TaubenchRetail;
 
@@ -157,18 +155,8 @@ impl Plugin for TaubenchRetail {
                 "Every product's name and product id, as a JSON text sorted by name.",
                 object(json!({}), &[]),
             ),
-            ToolSpec::query(
-                "calculate",
-                "The value of an arithmetic expression of numbers, + - * / and parentheses, \
-                 rounded to 2 decimals.",
-                object(json!({ "expression": string() }), &["expression"]),
-            ),
-            ToolSpec::query(
-                "transfer_to_human_agents",
-                "Hand the user over to a human agent, with a summary of the user's issue.",
-                object(json!({ "summary": string() }), &["summary"]),
-            ),
         ];
+        tools.extend(taubench::shared_queries());
         for (tool, compensator) in WRITE_TOOLS {
             let description = match tool {
                 "cancel_pending_order" => "Undoes a cancel_pending_order: status, refunds and gift card balances.",
@@ -202,12 +190,7 @@ impl Plugin for TaubenchRetail {
             "get_product_details" => found(store, "products", str_arg(args, "product_id")?, "Product not found"),
             "get_user_details" => found(store, "users", str_arg(args, "user_id")?, "User not found"),
             "list_all_product_types" => list_all_product_types(store),
-            "calculate" => calculate(str_arg(args, "expression")?).map(Value::String).map_err(ToolError::Rejected),
-            "transfer_to_human_agents" => Ok(json!("Transfer successful")),
-            other => match WRITE_TOOLS.iter().find(|(_, undo)| *undo == other) {
-                Some((forward, _)) => taubench::undo(store, UNDO_NAMESPACE, forward, args),
-                None => Err(unknown_tool(other)),
-            },
+            other => taubench::call_shared(store, other, args, &WRITE_TOOLS, UNDO_NAMESPACE),
         }
     }
 }
