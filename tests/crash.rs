@@ -17,8 +17,7 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use sagabox::durable::{Durability, SqliteBackend};
-use sagabox::saga::Backend;
+use sagabox::backend::{Backend, Durability, RunRecord, SqliteBackend};
 use sagabox::saga::journal::EventKind;
 use serde_json::{Value, json};
 use support::*;
@@ -571,7 +570,7 @@ fn resume_reports_a_run_it_cannot_rebuild_and_still_finishes_the_others() {
     let db_path = dir.path().join("two.db");
     let db = SqliteBackend::open(&db_path, Durability::Normal).unwrap();
     db.seed(&sagabox::store::fixture::load(&dir.path().join("completing.fixture.json")).unwrap()).unwrap();
-    let record = |run_id: &str, definition: String| sagabox::durable::RunRecord {
+    let record = |run_id: &str, definition: String| RunRecord {
         run_id: run_id.into(),
         saga: "s".into(),
         saga_path: "s.json".into(),
@@ -742,7 +741,7 @@ fn resumes_started_at_once_run_an_interrupted_run_once() {
     let db_path = dir.path().join("orphan.db");
     let db = SqliteBackend::open(&db_path, Durability::Normal).unwrap();
     db.seed(&sagabox::store::fixture::load(&dir.path().join("completing.fixture.json")).unwrap()).unwrap();
-    db.register_run(&sagabox::durable::RunRecord {
+    db.register_run(&RunRecord {
         run_id: "orphan".into(),
         saga: "completing".into(),
         saga_path: "completing.json".into(),

@@ -22,9 +22,10 @@ use std::sync::{LazyLock, OnceLock};
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config, FileFailurePersistence, TestCaseError};
+use sagabox::backend::MemoryBackend;
 use sagabox::runtime::{Runtime, RuntimeOptions};
 use sagabox::saga::journal::{Event, EventKind};
-use sagabox::saga::{self, Fault, FaultPlan, MemoryBackend, Phase, RunOptions, RunReport, Saga, Status, StepStatus};
+use sagabox::saga::{self, Fault, FaultPlan, Phase, RunOptions, RunReport, Saga, Status, StepStatus};
 use sagabox::store::State;
 use serde_json::{Value, json};
 use support::*;

@@ -9,9 +9,10 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use sagabox::backend::{Backend, CommitError, DbError, MemoryBackend, RegisterError, RunRecord};
 use sagabox::runtime::{CallContext, CallOptions, Runtime};
 use sagabox::saga::journal::EventKind;
-use sagabox::saga::{self, Fault, FaultPlan, MemoryBackend, Phase, RunOptions, RunReport, Saga, Status, StepStatus};
+use sagabox::saga::{self, Fault, FaultPlan, Phase, RunOptions, RunReport, Saga, Status, StepStatus};
 use sagabox::store::{MemoryStore, State, fixture};
 use serde_json::{Value, json};
 use support::*;
@@ -791,7 +792,7 @@ impl<'a> Dying<'a> {
     }
 }
 
-impl sagabox::saga::Backend for Dying<'_> {
+impl Backend for Dying<'_> {
     fn snapshot(&self) -> State {
         self.inner.snapshot()
     }
@@ -801,18 +802,18 @@ impl sagabox::saga::Backend for Dying<'_> {
         txn: &sagabox::store::Txn,
         result: Option<(&str, &Value)>,
         events: &[sagabox::saga::journal::Event],
-    ) -> Result<Vec<sagabox::store::Change>, sagabox::saga::backend::CommitError> {
+    ) -> Result<Vec<sagabox::store::Change>, CommitError> {
         if self.commits.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) <= 0 {
-            return Err(sagabox::saga::backend::CommitError::Backend("the process is gone".into()));
+            return Err(CommitError::Backend("the process is gone".into()));
         }
         let changes = self.inner.commit(txn, result, events)?;
         self.journal.lock().unwrap().extend_from_slice(events);
         Ok(changes)
     }
 
-    fn record(&self, events: &[sagabox::saga::journal::Event]) -> Result<(), sagabox::saga::backend::CommitError> {
+    fn record(&self, events: &[sagabox::saga::journal::Event]) -> Result<(), CommitError> {
         if !self.alive() {
-            return Err(sagabox::saga::backend::CommitError::Backend("the process is gone".into()));
+            return Err(CommitError::Backend("the process is gone".into()));
         }
         self.journal.lock().unwrap().extend_from_slice(events);
         Ok(())
@@ -820,6 +821,26 @@ impl sagabox::saga::Backend for Dying<'_> {
 
     fn cached(&self, key: &str) -> Option<Value> {
         self.inner.cached(key)
+    }
+
+    fn register_run(&self, run: &RunRecord) -> Result<(), RegisterError> {
+        self.inner.register_run(run)
+    }
+
+    fn adopt_run(&self, run_id: &str, seen_pid: u32) -> Result<bool, DbError> {
+        self.inner.adopt_run(run_id, seen_pid)
+    }
+
+    fn runs(&self) -> Result<Vec<RunRecord>, DbError> {
+        self.inner.runs()
+    }
+
+    fn events(&self, run_id: &str) -> Result<Vec<sagabox::saga::journal::Event>, DbError> {
+        self.inner.events(run_id)
+    }
+
+    fn journal_bytes(&self, run_id: &str) -> Result<u64, DbError> {
+        self.inner.journal_bytes(run_id)
     }
 }
 

@@ -7,9 +7,9 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sagabox::durable::{Durability, RunRecord, SqliteBackend};
+use sagabox::backend::{Backend, Durability, MemoryBackend, RunRecord, SqliteBackend};
 use sagabox::saga::session::{self, CallOutcome, SESSION_SOURCE, Session};
-use sagabox::saga::{Backend, MemoryBackend, RunOptions, Status};
+use sagabox::saga::{RunOptions, Status};
 use sagabox::serve::transaction::{CallReply, CallRequest, Context, OnFailure, Transactions, ending_reason};
 use sagabox::store::State;
 use serde_json::{Value, json};
@@ -41,7 +41,7 @@ fn transactions_idle_after(
     Transactions::new(Arc::new(Context {
         runtime: Arc::new(runtime),
         backend,
-        registry: None,
+        register_runs: false,
         on_failure: OnFailure::Compensate,
         idle_timeout,
     }))

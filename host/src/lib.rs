@@ -4,12 +4,13 @@
 //! - [`runtime`]: loads tool plugins (WebAssembly components of the `wit/` world) and runs
 //!   each call in a fresh, limited sandbox;
 //! - [`store`]: the namespaced JSON documents tools act on, with snapshots, digests and diffs;
+//! - [`backend`]: where runs keep the store's writes, the result cache, the run registry
+//!   and the journal: in memory or in SQLite (a crashed run then resumes);
 //! - [`saga`]: sagas of tool calls, their execution and compensation;
 //! - [`verify`]: rollback verification campaigns;
-//! - [`serve`]: tools and sagas over MCP, an agent's session being a saga;
-//! - [`durable`]: the SQLite backend that lets a crashed run resume.
+//! - [`serve`]: tools and sagas over MCP, an agent's session being a saga.
 
-pub mod durable;
+pub mod backend;
 pub mod ids;
 pub mod json;
 pub mod runtime;

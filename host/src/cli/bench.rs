@@ -9,9 +9,9 @@ use serde_json::json;
 
 use std::sync::Arc;
 
-use sagabox::durable::{Durability, SqliteBackend};
+use sagabox::backend::{Backend, Durability, MemoryBackend, SqliteBackend};
 use sagabox::runtime::{CallContext, CallOptions, EngineOptions, Runtime, RuntimeOptions};
-use sagabox::saga::{self, MemoryBackend, RunOptions, Saga, Status};
+use sagabox::saga::{self, RunOptions, Saga, Status};
 use sagabox::store::generate::{self, Scale};
 use sagabox::store::{MemoryStore, State};
 use sagabox::verify::{self, CampaignOptions, Subject};

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
-use sagabox::durable::{Durability, SqliteBackend};
+use sagabox::backend::{Backend, Durability, SqliteBackend};
 use sagabox::saga::session::{self, SESSION_SOURCE};
 use sagabox::saga::{self, RunOptions, Saga, Status};
 use sagabox::store::{State, fixture};

@@ -4,9 +4,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
-use sagabox::durable::{RegisterError, RunRecord, SqliteBackend};
+use sagabox::backend::{Backend, Durability, MemoryBackend, RegisterError, RunRecord, SqliteBackend};
 use sagabox::saga::journal::JsonLinesFile;
-use sagabox::saga::{self, Fault, FaultPlan, MemoryBackend, Phase, RunOptions, RunReport, Saga, Status};
+use sagabox::saga::{self, Fault, FaultPlan, Phase, RunOptions, RunReport, Saga, Status};
 use sagabox::store::{State, fixture};
 use serde_json::{Value, json};
 
@@ -59,7 +59,7 @@ pub struct RunArgs {
 
     /// With --db: normal survives a killed process; full also survives power loss.
     #[arg(long, value_enum, default_value = "normal", requires = "db")]
-    durability: sagabox::durable::Durability,
+    durability: Durability,
 }
 
 #[derive(clap::Args)]

@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use sagabox::durable::{Durability, SqliteBackend};
+use sagabox::backend::{Backend, Durability, MemoryBackend, SqliteBackend};
 use sagabox::saga::definition::DurationSpec;
-use sagabox::saga::{self, Backend, MemoryBackend, Saga};
+use sagabox::saga::{self, Saga};
 use sagabox::serve::http::{self, HttpOptions};
 use sagabox::serve::transaction::ending_reason;
 use sagabox::serve::{Context, OnDisconnect, OnFailure, Server};
@@ -89,20 +89,22 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
         Some(path) => fixture::load(path)?,
         None => State::default(),
     };
-    let (backend, registry): (Arc<dyn Backend>, _) = match &args.db {
-        None => (Arc::new(MemoryBackend::new(state)), None),
+    // Only a database's runs are registered: a resume needs them, and a server without one
+    // would keep every session's journal for as long as it runs.
+    let (backend, register_runs): (Arc<dyn Backend>, _) = match &args.db {
+        None => (Arc::new(MemoryBackend::new(state)), false),
         Some(path) => {
-            let db = Arc::new(SqliteBackend::open(path, args.durability)?);
+            let db = SqliteBackend::open(path, args.durability)?;
             if !db.seed_if_new(&state)? && args.state.is_some() {
                 anyhow::bail!("{} already holds a state; --state only seeds a new database", path.display());
             }
-            (db.clone(), Some(db))
+            (Arc::new(db), true)
         }
     };
     let context = Context {
         runtime,
         backend,
-        registry,
+        register_runs,
         on_failure: match args.on_failure {
             Policy::Compensate => OnFailure::Compensate,
             Policy::Keep => OnFailure::Keep,

@@ -23,12 +23,12 @@ use sha2::{Digest, Sha256};
 use tracing::Instrument;
 
 use super::Saga;
-use super::backend::{Backend, CommitError};
 use super::binding::{self, Scope};
 use super::fault::{Fault, FaultPlan, Phase};
 use super::journal::{DocWrite, ErrorInfo, Event, EventKind, JournalSink};
 use super::plan::{Plan, PlannedStep, merge_args};
 use super::report::{CompensationFailure, NetChange, RunReport, Status, StepReport, StepStatus};
+use crate::backend::{Backend, CommitError};
 use crate::ids::idempotency_key;
 use crate::runtime::{
     CallContext, CallError, CallFailure, CallOptions, CommitAttempt, FailureKind, InjectedFault, Runtime,

@@ -6,10 +6,8 @@
 //! - [`engine`]: execution, retries, time-outs, idempotency and compensation;
 //! - [`journal`], [`report`]: what a run records and returns;
 //! - [`fault`]: faults a run can be told to suffer;
-//! - [`backend`]: where a run's state, result cache and journal commit;
 //! - [`session`]: sagas whose steps arrive one call at a time (an agent's session).
 
-pub mod backend;
 pub mod binding;
 pub mod definition;
 pub mod engine;
@@ -21,7 +19,6 @@ pub mod session;
 
 use std::path::{Path, PathBuf};
 
-pub use backend::{Backend, MemoryBackend};
 pub use definition::{Companions, SagaDef};
 pub use engine::{RunOptions, run};
 pub use fault::{Fault, FaultPlan, Phase};

@@ -12,13 +12,13 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-use super::backend::Backend;
 use super::definition::SagaDef;
 use super::engine::{Run, RunOptions, Steps};
 use super::journal::{ErrorInfo, Event, EventKind};
 use super::plan::{CompensatorPlan, PlannedStep};
 use super::report::RunReport;
 use super::{Companions, Plan, Saga};
+use crate::backend::Backend;
 use crate::ids::idempotency_key;
 use crate::runtime::{CallError, FailureKind, Runtime};
 use crate::store::State;

@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 
 use super::Server;
 use super::handler::{error_result, ok_result};
-use crate::durable::RunRecord;
+use crate::backend::RunRecord;
 use crate::saga::journal::{Event, EventKind, JournalSink};
 use crate::saga::{self, RunOptions, Saga, Status};
 
@@ -68,7 +68,7 @@ pub async fn run(
         options.journal =
             Some(Arc::new(Progress { token, total: saga.plan.steps.len() as f64, done: Default::default(), queue }));
     }
-    if let Some(registry) = &context_ref.registry {
+    if context_ref.register_runs {
         // A resume re-reads the definition from the registry: it must be there.
         let registered = std::fs::read_to_string(&saga.path)
             .map_err(|e| format!("cannot read {}: {e}", saga.path.display()))
@@ -76,7 +76,7 @@ pub async fn run(
                 let path = saga.path.display().to_string();
                 let record =
                     RunRecord::starting(&options.run_id, &saga.name, &path, definition, &options.input, options.seed);
-                registry.register_run(&record).map_err(|e| e.to_string())
+                context_ref.backend.register_run(&record).map_err(|e| e.to_string())
             });
         if let Err(e) = registered {
             return error_result(&e, json!({ "error": { "code": "host", "message": e } }));

@@ -18,12 +18,12 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::durable::{RunRecord, SqliteBackend};
+use crate::backend::{Backend, RunRecord};
 use crate::runtime::{FailureKind, LogSink, Runtime, forwarding_logs};
+use crate::saga::RunOptions;
 use crate::saga::journal::ErrorInfo;
 use crate::saga::report::{CompensationFailure, RunReport};
 use crate::saga::session::{self, CallOutcome, SESSION_SOURCE, Session, SessionStep};
-use crate::saga::{Backend, RunOptions};
 
 /// What the server does with a transaction's earlier effects when one of its calls fails.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,8 +46,9 @@ pub enum OnDisconnect {
 pub struct Context {
     pub runtime: Arc<Runtime>,
     pub backend: Arc<dyn Backend>,
-    /// Where transactions are registered as runs, when the server is durable.
-    pub registry: Option<Arc<SqliteBackend>>,
+    /// Whether transactions and sagas are registered as runs in the backend (a durable
+    /// server: a resume finds them there).
+    pub register_runs: bool,
     pub on_failure: OnFailure,
     /// A transaction with no command for this long is aborted.
     pub idle_timeout: Duration,
@@ -192,10 +193,11 @@ impl Transactions {
     pub fn begin(self: &Arc<Self>, name: Option<&str>, timeout: Option<Duration>) -> Result<Transaction, BeginError> {
         let id = format!("tx-{}", crate::ids::new_run_id());
         let name = name.unwrap_or("session").to_string();
-        if let Some(registry) = &self.context.registry {
+        if self.context.register_runs {
             let record =
                 RunRecord::starting(&id, &format!("session:{name}"), SESSION_SOURCE, String::new(), &json!({}), 0);
-            registry
+            self.context
+                .backend
                 .register_run(&record)
                 .map_err(|e| BeginError::Register { id: id.clone(), reason: e.to_string() })?;
         }

@@ -21,8 +21,9 @@ use serde_json::Value;
 
 pub use cases::{Case, Expect, FaultKind, Mode};
 
+use crate::backend::MemoryBackend;
 use crate::runtime::Runtime;
-use crate::saga::{self, FaultPlan, MemoryBackend, Phase, RunOptions, RunReport, Saga, Status, StepStatus};
+use crate::saga::{self, FaultPlan, Phase, RunOptions, RunReport, Saga, Status, StepStatus};
 use crate::store::{DiffEntry, State, diff};
 
 /// What a campaign runs.

@@ -1,4 +1,4 @@
-//! The durable backend: the store, the idempotency result cache, the run registry and the
+//! The SQLite backend: the store, the idempotency result cache, the run registry and the
 //! journal in one SQLite database, so that a saga killed at any instant can be resumed.
 //!
 //! A call's writes, its cached result and the journal events that record it commit in one
@@ -21,10 +21,9 @@ use std::sync::{Mutex, RwLock};
 use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
-use serde::Serialize;
 use serde_json::Value;
 
-use crate::saga::backend::{Backend, CommitError};
+use super::{Backend, CommitError, DbError, RegisterError, RunRecord, finished_status, lock, now_ms};
 use crate::saga::journal::{Event, EventKind};
 use crate::store::{Change, State, Txn};
 
@@ -35,68 +34,6 @@ pub enum Durability {
     Normal,
     /// `synchronous=FULL`: also survives power loss; an fsync per commit.
     Full,
-}
-
-/// A database error, naming the file.
-#[derive(Debug, thiserror::Error)]
-#[error("database {path}: {error}")]
-pub struct DbError {
-    pub path: PathBuf,
-    pub error: String,
-}
-
-/// Why a run could not be registered.
-#[derive(Debug, thiserror::Error)]
-pub enum RegisterError {
-    #[error("run '{run_id}' already exists in {}", path.display())]
-    Exists { run_id: String, path: PathBuf },
-    #[error(transparent)]
-    Db(#[from] DbError),
-}
-
-/// A run as the registry records it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct RunRecord {
-    pub run_id: String,
-    pub saga: String,
-    pub saga_path: String,
-    /// The saga file's text when the run started (a resume uses it, not the file).
-    #[serde(skip)]
-    pub definition: String,
-    pub input: Value,
-    pub seed: u64,
-    /// `running` until the run finishes, then its final status.
-    pub status: String,
-    /// The process that runs it (a resume leaves alone runs whose process is alive).
-    pub pid: u32,
-    /// Set by the registry when the run is registered.
-    pub started_ms: u64,
-    pub finished_ms: Option<u64>,
-}
-
-impl RunRecord {
-    /// A run this process is about to start.
-    pub fn starting(
-        run_id: &str,
-        saga: &str,
-        saga_path: &str,
-        definition: String,
-        input: &Value,
-        seed: u64,
-    ) -> RunRecord {
-        RunRecord {
-            run_id: run_id.to_string(),
-            saga: saga.to_string(),
-            saga_path: saga_path.to_string(),
-            definition,
-            input: input.clone(),
-            seed,
-            status: "running".into(),
-            pid: std::process::id(),
-            started_ms: 0,
-            finished_ms: None,
-        }
-    }
 }
 
 const SCHEMA: &str = "
@@ -128,14 +65,6 @@ pub struct SqliteBackend {
     data_version: Mutex<i64>,
     /// Events with no state change, written with the next commit (or at a run's start and end).
     pending: Mutex<Vec<Event>>,
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn is_constraint(e: &rusqlite::Error) -> bool {
@@ -183,7 +112,7 @@ impl EventsError {
 
 /// A journal record that is already there: another process writes this run's journal.
 fn duplicate_event(event: &Event) -> String {
-    format!("run '{}': journal record seq {} already exists (another process writes this run)", event.run_id, event.seq)
+    format!("{} (another process writes this run)", super::duplicate_event(event))
 }
 
 impl SqliteBackend {
@@ -197,13 +126,13 @@ impl SqliteBackend {
     pub fn open_existing(path: &Path, durability: Durability) -> Result<SqliteBackend, DbError> {
         if !path.is_file() {
             let error = "no such database (`sagabox run --db` creates one)".to_string();
-            return Err(DbError { path: path.to_path_buf(), error });
+            return Err(DbError { db: path.display().to_string(), error });
         }
         SqliteBackend::open_with(path, durability, false)
     }
 
     fn open_with(path: &Path, durability: Durability, create: bool) -> Result<SqliteBackend, DbError> {
-        let fail = |e: rusqlite::Error| DbError { path: path.to_path_buf(), error: e.to_string() };
+        let fail = |e: rusqlite::Error| DbError { db: path.display().to_string(), error: e.to_string() };
         let mut flags = OpenFlags::default();
         if !create {
             flags.remove(OpenFlags::SQLITE_OPEN_CREATE);
@@ -211,7 +140,7 @@ impl SqliteBackend {
         let conn = Connection::open_with_flags(path, flags).map_err(fail)?;
         conn.busy_timeout(Duration::from_secs(30)).map_err(fail)?;
         if !create && !has_schema(&conn).map_err(fail)? {
-            return Err(DbError { path: path.to_path_buf(), error: "not a sagabox database".into() });
+            return Err(DbError { db: path.display().to_string(), error: "not a sagabox database".into() });
         }
         conn.pragma_update(None, "journal_mode", "WAL").map_err(fail)?;
         let sync = match durability {
@@ -232,7 +161,7 @@ impl SqliteBackend {
     }
 
     fn error(&self, e: impl std::fmt::Display) -> DbError {
-        DbError { path: self.path.clone(), error: e.to_string() }
+        DbError { db: self.path.display().to_string(), error: e.to_string() }
     }
 
     fn commit_error(&self, e: impl std::fmt::Display) -> CommitError {
@@ -360,98 +289,6 @@ impl SqliteBackend {
         Ok(true)
     }
 
-    /// Registers a run that is about to start.
-    pub fn register_run(&self, run: &RunRecord) -> Result<(), RegisterError> {
-        let inserted = lock(&self.conn).execute(
-            "INSERT INTO runs (run_id, saga, saga_path, definition, input, seed, status, pid, started_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'running', ?7, ?8)",
-            params![
-                run.run_id,
-                run.saga,
-                run.saga_path,
-                run.definition,
-                run.input.to_string(),
-                run.seed as i64,
-                run.pid,
-                now_ms() as i64
-            ],
-        );
-        match inserted {
-            Ok(_) => Ok(()),
-            Err(e) if is_constraint(&e) => {
-                Err(RegisterError::Exists { run_id: run.run_id.clone(), path: self.path.clone() })
-            }
-            Err(e) => Err(self.error(e).into()),
-        }
-    }
-
-    /// Takes over an unfinished run from process `seen_pid`, the one the caller saw running
-    /// it: a compare-and-swap, so that of two processes resuming it at once only one gets
-    /// it. Returns whether this process got it.
-    pub fn adopt_run(&self, run_id: &str, seen_pid: u32) -> Result<bool, DbError> {
-        let changed = lock(&self.conn)
-            .execute(
-                "UPDATE runs SET pid = ?1 WHERE run_id = ?2 AND pid = ?3 AND status = 'running'",
-                params![std::process::id(), run_id, seen_pid],
-            )
-            .map_err(|e| self.error(e))?;
-        Ok(changed == 1)
-    }
-
-    /// Every run, oldest first.
-    pub fn runs(&self) -> Result<Vec<RunRecord>, DbError> {
-        let conn = lock(&self.conn);
-        let mut stmt = conn
-            .prepare(
-                "SELECT run_id, saga, saga_path, definition, input, seed, status, pid, started_ms, finished_ms
-                 FROM runs ORDER BY started_ms, run_id",
-            )
-            .map_err(|e| self.error(e))?;
-        let rows = stmt
-            .query_map([], |r| {
-                Ok(RunRecord {
-                    run_id: r.get(0)?,
-                    saga: r.get(1)?,
-                    saga_path: r.get(2)?,
-                    definition: r.get(3)?,
-                    input: serde_json::from_str(&r.get::<_, String>(4)?).unwrap_or(Value::Null),
-                    seed: r.get::<_, i64>(5)? as u64,
-                    status: r.get(6)?,
-                    pid: r.get(7)?,
-                    started_ms: r.get::<_, i64>(8)? as u64,
-                    finished_ms: r.get::<_, Option<i64>>(9)?.map(|v| v as u64),
-                })
-            })
-            .map_err(|e| self.error(e))?;
-        rows.collect::<Result<_, _>>().map_err(|e| self.error(e))
-    }
-
-    /// A run's journal, in order.
-    pub fn events(&self, run_id: &str) -> Result<Vec<Event>, DbError> {
-        let conn = lock(&self.conn);
-        let mut stmt =
-            conn.prepare("SELECT body FROM events WHERE run_id = ?1 ORDER BY seq").map_err(|e| self.error(e))?;
-        let bodies = stmt.query_map(params![run_id], |r| r.get::<_, String>(0)).map_err(|e| self.error(e))?;
-        let mut events = Vec::new();
-        for body in bodies {
-            let body = body.map_err(|e| self.error(e))?;
-            events.push(
-                serde_json::from_str(&body).map_err(|e| self.error(format!("a journal record of {run_id}: {e}")))?,
-            );
-        }
-        Ok(events)
-    }
-
-    /// Bytes of journal records a run wrote.
-    pub fn journal_bytes(&self, run_id: &str) -> Result<u64, DbError> {
-        lock(&self.conn)
-            .query_row("SELECT COALESCE(SUM(LENGTH(body)), 0) FROM events WHERE run_id = ?1", params![run_id], |r| {
-                r.get::<_, i64>(0)
-            })
-            .map(|n| n as u64)
-            .map_err(|e| self.error(e))
-    }
-
     /// The state as the database holds it now.
     pub fn current_state(&self) -> Result<State, DbError> {
         let conn = lock(&self.conn);
@@ -481,9 +318,7 @@ impl SqliteBackend {
                 }
                 Err(e) => return Err(failed(&e)),
             }
-            if event.event == EventKind::SagaFinished {
-                let status =
-                    event.data.as_ref().and_then(|d| d.get("status")).and_then(Value::as_str).unwrap_or("finished");
+            if let Some(status) = finished_status(event) {
                 tx.execute(
                     "UPDATE runs SET status = ?1, finished_ms = ?2 WHERE run_id = ?3",
                     params![status, now_ms() as i64, event.run_id],
@@ -604,6 +439,91 @@ impl Backend for SqliteBackend {
             tracing::warn!("cannot read the result cache: {e}");
             None
         })
+    }
+
+    fn register_run(&self, run: &RunRecord) -> Result<(), RegisterError> {
+        let inserted = lock(&self.conn).execute(
+            "INSERT INTO runs (run_id, saga, saga_path, definition, input, seed, status, pid, started_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'running', ?7, ?8)",
+            params![
+                run.run_id,
+                run.saga,
+                run.saga_path,
+                run.definition,
+                run.input.to_string(),
+                run.seed as i64,
+                run.pid,
+                now_ms() as i64
+            ],
+        );
+        match inserted {
+            Ok(_) => Ok(()),
+            Err(e) if is_constraint(&e) => {
+                Err(RegisterError::Exists { run_id: run.run_id.clone(), db: self.path.display().to_string() })
+            }
+            Err(e) => Err(self.error(e).into()),
+        }
+    }
+
+    fn adopt_run(&self, run_id: &str, seen_pid: u32) -> Result<bool, DbError> {
+        let changed = lock(&self.conn)
+            .execute(
+                "UPDATE runs SET pid = ?1 WHERE run_id = ?2 AND pid = ?3 AND status = 'running'",
+                params![std::process::id(), run_id, seen_pid],
+            )
+            .map_err(|e| self.error(e))?;
+        Ok(changed == 1)
+    }
+
+    fn runs(&self) -> Result<Vec<RunRecord>, DbError> {
+        let conn = lock(&self.conn);
+        let mut stmt = conn
+            .prepare(
+                "SELECT run_id, saga, saga_path, definition, input, seed, status, pid, started_ms, finished_ms
+                 FROM runs ORDER BY started_ms, run_id",
+            )
+            .map_err(|e| self.error(e))?;
+        let rows = stmt
+            .query_map([], |r| {
+                Ok(RunRecord {
+                    run_id: r.get(0)?,
+                    saga: r.get(1)?,
+                    saga_path: r.get(2)?,
+                    definition: r.get(3)?,
+                    input: serde_json::from_str(&r.get::<_, String>(4)?).unwrap_or(Value::Null),
+                    seed: r.get::<_, i64>(5)? as u64,
+                    status: r.get(6)?,
+                    pid: r.get(7)?,
+                    started_ms: r.get::<_, i64>(8)? as u64,
+                    finished_ms: r.get::<_, Option<i64>>(9)?.map(|v| v as u64),
+                })
+            })
+            .map_err(|e| self.error(e))?;
+        rows.collect::<Result<_, _>>().map_err(|e| self.error(e))
+    }
+
+    fn events(&self, run_id: &str) -> Result<Vec<Event>, DbError> {
+        let conn = lock(&self.conn);
+        let mut stmt =
+            conn.prepare("SELECT body FROM events WHERE run_id = ?1 ORDER BY seq").map_err(|e| self.error(e))?;
+        let bodies = stmt.query_map(params![run_id], |r| r.get::<_, String>(0)).map_err(|e| self.error(e))?;
+        let mut events = Vec::new();
+        for body in bodies {
+            let body = body.map_err(|e| self.error(e))?;
+            events.push(
+                serde_json::from_str(&body).map_err(|e| self.error(format!("a journal record of {run_id}: {e}")))?,
+            );
+        }
+        Ok(events)
+    }
+
+    fn journal_bytes(&self, run_id: &str) -> Result<u64, DbError> {
+        lock(&self.conn)
+            .query_row("SELECT COALESCE(SUM(LENGTH(body)), 0) FROM events WHERE run_id = ?1", params![run_id], |r| {
+                r.get::<_, i64>(0)
+            })
+            .map(|n| n as u64)
+            .map_err(|e| self.error(e))
     }
 }
 

@@ -1,0 +1,124 @@
+//! The in-memory backend: a [`MemoryStore`], a result cache, and a registry that keeps the
+//! runs registered with it and their journals. Other runs' journals live in their reports
+//! (and JSON Lines files, if any) only.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
+
+use serde_json::Value;
+
+use super::{Backend, CommitError, DbError, RegisterError, RunRecord, duplicate_event, finished_status, lock, now_ms};
+use crate::saga::journal::Event;
+use crate::store::{Change, MemoryStore, State, Txn};
+
+/// The in-memory backend.
+#[derive(Debug, Default)]
+pub struct MemoryBackend {
+    pub store: MemoryStore,
+    results: Mutex<HashMap<String, Value>>,
+    registry: Mutex<Registry>,
+}
+
+/// Registered runs and their journals (by run id, then seq).
+#[derive(Debug, Default)]
+struct Registry {
+    runs: Vec<RunRecord>,
+    journals: HashMap<String, BTreeMap<u64, Event>>,
+}
+
+impl Registry {
+    /// Refuses `events` if one of them is already recorded.
+    fn check(&self, events: &[Event]) -> Result<(), CommitError> {
+        match events.iter().find(|e| self.journals.get(&e.run_id).is_some_and(|j| j.contains_key(&e.seq))) {
+            Some(event) => Err(CommitError::Backend(duplicate_event(event))),
+            None => Ok(()),
+        }
+    }
+
+    /// Appends `events` of registered runs, and records run ends.
+    fn append(&mut self, events: &[Event]) {
+        for event in events {
+            let Some(journal) = self.journals.get_mut(&event.run_id) else { continue };
+            journal.insert(event.seq, event.clone());
+            if let Some(status) = finished_status(event)
+                && let Some(run) = self.runs.iter_mut().find(|r| r.run_id == event.run_id)
+            {
+                run.status = status.to_string();
+                run.finished_ms = Some(now_ms());
+            }
+        }
+    }
+}
+
+impl MemoryBackend {
+    pub fn new(state: State) -> MemoryBackend {
+        MemoryBackend { store: MemoryStore::new(state), ..MemoryBackend::default() }
+    }
+}
+
+impl Backend for MemoryBackend {
+    fn snapshot(&self) -> State {
+        self.store.snapshot()
+    }
+
+    fn commit(&self, txn: &Txn, result: Option<(&str, &Value)>, events: &[Event]) -> Result<Vec<Change>, CommitError> {
+        // Holding the cache and registry locks across the store commit makes the three one
+        // atomic step for their readers.
+        let mut results = lock(&self.results);
+        if let Some(output) = result.and_then(|(key, _)| results.get(key)) {
+            return Err(CommitError::AlreadyCommitted(output.clone()));
+        }
+        let mut registry = lock(&self.registry);
+        registry.check(events)?;
+        let changes = self.store.commit(txn)?;
+        if let Some((key, value)) = result {
+            results.insert(key.to_string(), value.clone());
+        }
+        registry.append(events);
+        Ok(changes)
+    }
+
+    fn record(&self, events: &[Event]) -> Result<(), CommitError> {
+        let mut registry = lock(&self.registry);
+        registry.check(events)?;
+        registry.append(events);
+        Ok(())
+    }
+
+    fn cached(&self, key: &str) -> Option<Value> {
+        lock(&self.results).get(key).cloned()
+    }
+
+    fn register_run(&self, run: &RunRecord) -> Result<(), RegisterError> {
+        let mut registry = lock(&self.registry);
+        if registry.journals.contains_key(&run.run_id) {
+            return Err(RegisterError::Exists { run_id: run.run_id.clone(), db: "memory".into() });
+        }
+        registry.journals.insert(run.run_id.clone(), BTreeMap::new());
+        let status = "running".to_string();
+        registry.runs.push(RunRecord { status, started_ms: now_ms(), finished_ms: None, ..run.clone() });
+        Ok(())
+    }
+
+    fn adopt_run(&self, run_id: &str, seen_pid: u32) -> Result<bool, DbError> {
+        let mut registry = lock(&self.registry);
+        let run = registry.runs.iter_mut().find(|r| r.run_id == run_id && r.pid == seen_pid && r.status == "running");
+        Ok(run.map(|r| r.pid = std::process::id()).is_some())
+    }
+
+    fn runs(&self) -> Result<Vec<RunRecord>, DbError> {
+        let mut runs = lock(&self.registry).runs.clone();
+        runs.sort_by(|a, b| (a.started_ms, &a.run_id).cmp(&(b.started_ms, &b.run_id)));
+        Ok(runs)
+    }
+
+    fn events(&self, run_id: &str) -> Result<Vec<Event>, DbError> {
+        Ok(lock(&self.registry).journals.get(run_id).map(|j| j.values().cloned().collect()).unwrap_or_default())
+    }
+
+    fn journal_bytes(&self, run_id: &str) -> Result<u64, DbError> {
+        let registry = lock(&self.registry);
+        let events = registry.journals.get(run_id).into_iter().flat_map(|j| j.values());
+        Ok(events.map(|e| serde_json::to_string(e).map_or(0, |s| s.len() as u64)).sum())
+    }
+}
