@@ -392,54 +392,42 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
             serde_json::to_string_pretty(&json!({ "measurements": results, "rates": rates, "peers": peers }))?
         );
     } else {
-        let mut table = comfy_table::Table::new();
-        table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header([
-            "benchmark",
-            "median",
-            "p90",
-            "p99",
-            "samples",
-        ]);
-        for m in &results {
-            table.add_row([
-                m.name.clone(),
-                format_us(m.median_us),
-                format_us(m.p90_us),
-                format_us(m.p99_us),
-                m.samples.to_string(),
-            ]);
-        }
-        if !results.is_empty() {
-            println!("{table}");
-        }
-        let mut table = comfy_table::Table::new();
-        table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(["throughput", "per second"]);
-        for (name, rate) in &rates {
-            table.add_row([name.clone(), format!("{rate:.0}")]);
-        }
-        if !rates.is_empty() {
-            println!("{table}");
-        }
-        if !peers.is_empty() {
-            let mut table = comfy_table::Table::new();
-            table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header([
-                "CT1 rolled back, one run: sagabox | langchain-compensation 0.5.8",
-                "sagabox",
-                "peer",
-                "sagabox / peer",
-            ]);
-            for p in &peers {
-                table.add_row([
-                    p.name.clone(),
-                    format!("{:.0}", p.sagabox),
-                    format!("{:.1}", p.peer),
-                    format!("{:.1}×", p.ratio),
-                ]);
-            }
-            println!("{table}");
-        }
+        print_table(
+            &["benchmark", "median", "p90", "p99", "samples"],
+            results.iter().map(|m| {
+                vec![
+                    m.name.clone(),
+                    format_us(m.median_us),
+                    format_us(m.p90_us),
+                    format_us(m.p99_us),
+                    m.samples.to_string(),
+                ]
+            }),
+        );
+        print_table(
+            &["throughput", "per second"],
+            rates.iter().map(|(name, rate)| vec![name.clone(), format!("{rate:.0}")]),
+        );
+        print_table(
+            &["CT1 rolled back, one run: sagabox | langchain-compensation 0.5.8", "sagabox", "peer", "sagabox / peer"],
+            peers.iter().map(|p| {
+                vec![p.name.clone(), format!("{:.0}", p.sagabox), format!("{:.1}", p.peer), format!("{:.1}×", p.ratio)]
+            }),
+        );
     }
     Ok(super::Outcome::Success)
+}
+
+/// Prints a table of `rows` under `header`, unless there are no rows (a group not run).
+fn print_table(header: &[&str], rows: impl Iterator<Item = Vec<String>>) {
+    let mut table = comfy_table::Table::new();
+    table.load_preset(comfy_table::presets::UTF8_BORDERS_ONLY).set_header(header);
+    for row in rows {
+        table.add_row(row);
+    }
+    if table.row_count() > 0 {
+        println!("{table}");
+    }
 }
 
 /// A saga of `steps` chained one-unit allocations: validated, run to completion, and run
