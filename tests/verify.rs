@@ -126,7 +126,7 @@ async fn a_compensator_that_forgets_the_seats_is_caught_with_its_diff() {
     assert_eq!(clean.observed, Status::Failed, "the buggy rollback looks like a success to the saga");
     assert_eq!(clean.diff.len(), 1, "{:?}", clean.diff);
     let entry = &clean.diff[0];
-    assert_eq!((entry.namespace.as_str(), entry.key.as_str(), entry.change), ("flights", "HAT001", "changed"));
+    assert_eq!((entry.namespace.as_str(), entry.key.as_str(), &*entry.change), ("flights", "HAT001", "changed"));
     assert_eq!(entry.fields, ["/dates/2024-05-16/available_seats/economy"]);
     assert_eq!(
         entry.before.as_ref().unwrap().pointer("/dates/2024-05-16/available_seats/economy"),
@@ -240,6 +240,48 @@ async fn a_case_that_panics_fails_the_campaign_and_names_the_case() {
     // The other cases still ran and kept their verdicts.
     assert!(saga.cases.iter().any(|c| c.id == "flight:trap" && c.verdict == Verdict::Pass));
     assert!(!saga.cases.iter().any(|c| c.id == "hotel:trap"));
+}
+
+#[test]
+fn shards_merged_give_the_single_process_report_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let sagas = sagas_dir().to_str().unwrap().to_string();
+    // The shipped sagas and the buggy one, so that failing cases (with diffs) are merged too.
+    let buggy = sagas_dir().join("buggy-cancel/buggy-cancel.json").to_str().unwrap().to_string();
+    let campaign = |extra: &[&str]| {
+        let mut args = vec!["verify", &sagas, &buggy, "--seed", "11", "--runs", "6"];
+        args.extend_from_slice(extra);
+        support::sagabox(&args)
+    };
+    let single = path("single.json");
+    let out = campaign(&["--report", &single]);
+    assert_eq!(out.status.code(), Some(1), "the buggy saga fails its campaign");
+    let parts: Vec<String> = (1..=3).map(|i| path(&format!("part{i}.json"))).collect();
+    for (i, part) in parts.iter().enumerate() {
+        let shard = format!("{}/3", i + 1);
+        let out = campaign(&["--shard", &shard, "--shard-report", part]);
+        assert!(out.status.code().is_some_and(|c| c <= 1), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("shard {shard}:")));
+    }
+    // Merged in any order, the report is the single process's, and so is the verdict.
+    let merged = path("merged.json");
+    let out = campaign(&["--merge", &parts[2], &parts[0], &parts[1], "--report", &merged]);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read(&merged).unwrap(), std::fs::read(&single).unwrap(), "the merged report differs");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("changed flights/HAT001"));
+
+    // Parts that are not the whole campaign, or of another one, are refused by name.
+    let out = campaign(&["--merge", &parts[0], &parts[1]]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("got shards 1/3, 2/3"), "{stderr}");
+    let out = support::sagabox(&[
+        "verify", &sagas, &buggy, "--seed", "12", "--runs", "6", "--merge", &parts[0], &parts[1], &parts[2],
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("part1.json") && stderr.contains("--seed 11"), "{stderr}");
 }
 
 #[test]

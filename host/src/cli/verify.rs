@@ -62,6 +62,20 @@ pub struct Args {
     /// Print the report and the timing as JSON instead of a summary.
     #[arg(long)]
     json: bool,
+
+    /// Run only part I of N of every saga's cases (on another machine, say), writing their
+    /// outcomes to --shard-report; `--merge` then puts the parts together.
+    #[arg(long, value_name = "I/N", requires = "shard_report", conflicts_with_all = ["case", "merge"])]
+    shard: Option<verify::shard::Shard>,
+
+    /// With --shard: where the part's outcomes go (JSON).
+    #[arg(long, value_name = "FILE", requires = "shard")]
+    shard_report: Option<PathBuf>,
+
+    /// Merge the --shard-report files of all N parts (given the same sagas and options as
+    /// the shards) into the campaign's report, the same byte for byte as one process's.
+    #[arg(long, value_name = "FILE", num_args = 1.., conflicts_with = "case")]
+    merge: Vec<PathBuf>,
 }
 
 pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome> {
@@ -95,6 +109,7 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
         only_case: args.case.clone(),
         concurrency: args.concurrency,
         on_case: None,
+        shard: args.shard,
         state: args.state.clone(),
         replay_plugin_args: replay_plugin_args(plugin_args),
     };
@@ -110,7 +125,22 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
     };
     // An unknown --case is a bad argument: an error, not a campaign of zero cases.
     let prepared = verify::prepare(&runtime, &subjects, &options).await?;
-    let (report, timing) = verify::execute(runtime, prepared, &options, &progress).await;
+    let (report, timing) = if let Some(shard) = options.shard {
+        let part = verify::shard::run(&runtime, &prepared, &options, &progress).await;
+        bar.finish_and_clear();
+        return write_shard(&part, shard, args.shard_report.as_deref().context("--shard needs --shard-report")?);
+    } else if !args.merge.is_empty() {
+        let mut shards = Vec::new();
+        for path in &args.merge {
+            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+            let part = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not a shard report of `verify --shard`", path.display()))?;
+            shards.push((path.clone(), part));
+        }
+        verify::shard::merge(&runtime, prepared, &options, shards)?
+    } else {
+        verify::execute(runtime, prepared, &options, &progress).await
+    };
     bar.finish_and_clear();
 
     if let Some(path) = &args.report {
@@ -131,6 +161,34 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
         print_summary(&report, &timing);
     }
     Ok(if report.passed() { Outcome::Success } else { Outcome::Failure })
+}
+
+/// Writes a shard's outcomes; fails (exit 1) when one of its cases failed.
+fn write_shard(
+    part: &verify::shard::ShardReport,
+    shard: verify::shard::Shard,
+    path: &std::path::Path,
+) -> anyhow::Result<Outcome> {
+    std::fs::write(path, serde_json::to_string(part)? + "\n")
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    let failed = part
+        .sagas
+        .iter()
+        .flat_map(|s| &s.cases)
+        .filter(|(_, outcome)| match outcome {
+            verify::CaseOutcome::Judged { report, .. } => report.verdict == Verdict::Fail,
+            verify::CaseOutcome::Panicked { .. } => true,
+        })
+        .count();
+    let t = &part.timing;
+    println!(
+        "shard {shard}: {} cases in {:.2} s ({:.0} cases/s), {failed} failed; wrote {} (merge with --merge)",
+        t.cases,
+        t.seconds,
+        t.cases_per_second,
+        path.display()
+    );
+    Ok(if failed == 0 { Outcome::Success } else { Outcome::Failure })
 }
 
 /// The global options a replay command must repeat: those that choose the plugins and what

@@ -70,14 +70,14 @@ impl State {
 }
 
 /// How one document differs between two states.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize)]
 pub struct DiffEntry {
     pub namespace: String,
     pub key: String,
-    /// `added`, `removed` or `changed`.
-    pub change: &'static str,
+    /// `added`, `removed` or `changed` (verify also reports `unexpected` residue).
+    pub change: std::borrow::Cow<'static, str>,
     /// JSON pointers of the fields that differ (for `changed`).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub fields: Vec<String>,
     pub before: Option<Value>,
     pub after: Option<Value>,
@@ -117,7 +117,14 @@ pub fn diff(before: &State, after: &State, excluded: &[String]) -> Diff {
             if let (Some(x), Some(y)) = (&before, &after) {
                 changed_fields(x, y, String::new(), &mut fields);
             }
-            entries.push(DiffEntry { namespace: ns.clone(), key: key.clone(), change, fields, before, after });
+            entries.push(DiffEntry {
+                namespace: ns.clone(),
+                key: key.clone(),
+                change: change.into(),
+                fields,
+                before,
+                after,
+            });
         }
     }
     entries
@@ -198,9 +205,9 @@ mod tests {
         store.commit(&txn).unwrap();
         let d = diff(&initial, &store.snapshot(), &[]);
         assert_eq!(d.len(), 2);
-        assert_eq!((d[0].namespace.as_str(), d[0].key.as_str(), d[0].change), ("flights", "HAT001", "changed"));
+        assert_eq!((d[0].namespace.as_str(), d[0].key.as_str(), &*d[0].change), ("flights", "HAT001", "changed"));
         assert_eq!(d[0].fields, ["/dates/2024-05-16/seats"]);
-        assert_eq!((d[1].namespace.as_str(), d[1].change), ("reservations", "added"));
+        assert_eq!((d[1].namespace.as_str(), &*d[1].change), ("reservations", "added"));
         assert!(diff(&initial, &store.snapshot(), &["flights".into(), "reservations".into()]).is_empty());
         assert_ne!(store.snapshot().digest_excluding(&["users".into()]), initial.digest_excluding(&["users".into()]));
     }

@@ -9,13 +9,13 @@ use std::str::FromStr;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::saga::{Fault, FaultPlan, Phase, Plan, RunReport, Saga, Status, StepStatus};
 
 /// A kind of fault a campaign can inject (`--faults` takes a comma-separated list).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FaultKind {
     Rejected,
@@ -80,7 +80,7 @@ impl FromStr for FaultKind {
 pub const TRANSIENT_FAILURES: u32 = 2;
 
 /// What a case must end in.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Expect {
     /// The clean run: completed runs must reach the expected state, failed ones restore.
@@ -110,7 +110,7 @@ impl fmt::Display for Expect {
 }
 
 /// How a case's run schedules its steps.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     /// One step at a time in plan order, clocks and randomness drawn from the seed.

@@ -11,12 +11,13 @@
 
 pub mod cases;
 pub mod html;
+pub mod shard;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use cases::{Case, Expect, FaultKind, Mode};
@@ -39,6 +40,8 @@ pub struct CampaignOptions {
     pub concurrency: usize,
     /// Called in each case's task before the case runs.
     pub on_case: Option<CaseHook>,
+    /// Run only this shard's part of every saga's cases ([`shard`]).
+    pub shard: Option<shard::Shard>,
     /// The fixture every subject's `initial` was loaded from instead of its saga's own
     /// `<saga>.fixture.json` (`verify --state`), if one was given; replay commands name it.
     pub state: Option<PathBuf>,
@@ -67,6 +70,7 @@ impl Default for CampaignOptions {
             only_case: None,
             concurrency: 2,
             on_case: None,
+            shard: None,
             state: None,
             replay_plugin_args: Vec::new(),
         }
@@ -84,7 +88,7 @@ pub struct Subject {
 }
 
 /// How a case ended against what it had to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Verdict {
     Pass,
@@ -92,7 +96,7 @@ pub enum Verdict {
 }
 
 /// One case in the report.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct CaseReport {
     pub id: String,
     pub mode: Mode,
@@ -103,17 +107,17 @@ pub struct CaseReport {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub failed_step: Option<String>,
     /// Step ids in the order their compensations completed (left out of concurrent cases).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub compensated: Vec<String>,
     /// Sorted in concurrent cases.
     pub compensation_failed: Vec<String>,
     pub digest_before: String,
     pub digest_after: String,
     /// What differs from the state the case had to end in (ledgers excluded).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub diff: Vec<DiffEntry>,
     /// Records the run added to or changed in ledger namespaces (not part of the equality).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ledger_changes: Vec<String>,
     pub verdict: Verdict,
     pub reason: String,
@@ -140,8 +144,8 @@ pub struct Metrics {
     counts: Counts,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
-struct Counts {
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub struct Counts {
     rolled_back: usize,
     restored: usize,
     side_effects: usize,
@@ -168,6 +172,17 @@ impl Metrics {
             self.add_steps(run, saga);
         }
         self.finish();
+    }
+
+    /// The metrics of one judged case, from its verdict and what it counted.
+    fn of_case(verdict: Verdict, counts: Counts) -> Metrics {
+        let mut metrics = Metrics { cases: 1, counts, ..Metrics::default() };
+        match verdict {
+            Verdict::Pass => metrics.passed = 1,
+            Verdict::Fail => metrics.failed = 1,
+        }
+        metrics.finish();
+        metrics
     }
 
     /// A case whose task panicked: a failed case with no run to count.
@@ -261,7 +276,7 @@ impl CampaignReport {
 }
 
 /// Wall-clock measurements of a campaign, kept out of the reproducible report.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Timing {
     pub cases: usize,
     pub seconds: f64,
@@ -270,7 +285,7 @@ pub struct Timing {
     pub rollback_latency_us: Percentiles,
 }
 
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct Percentiles {
     pub p50: u64,
     pub p90: u64,
@@ -308,7 +323,8 @@ pub struct Prepared {
 struct PreparedSaga {
     subject: Subject,
     clean: Arc<CleanRun>,
-    cases: Vec<Case>,
+    /// The cases to run, with their positions among all the saga's cases.
+    cases: Vec<(usize, Case)>,
     /// Why the clean run cannot anchor the campaign, if it cannot.
     problems: Vec<String>,
 }
@@ -370,6 +386,7 @@ pub async fn prepare(
         }
         let problems = clean_run_problem(subject, &clean, options).into_iter().collect();
         let clean = CleanRun { status: clean.status, failed_step: clean.failed_step.clone(), state: clean_state };
+        let cases = cases.into_iter().enumerate().filter(|(n, _)| options.shard.is_none_or(|s| s.takes(*n))).collect();
         sagas.push(PreparedSaga { subject: subject.clone(), clean: Arc::new(clean), cases, problems });
     }
     if let Some(only) = &options.only_case
@@ -444,9 +461,6 @@ fn empty_report(options: &CampaignOptions, sagas: Vec<SagaReport>) -> CampaignRe
     }
 }
 
-/// What one case's task came back with: its verdict and run, or the panic that ended it.
-type CaseOutcome = Result<(CaseReport, RunReport), String>;
-
 /// Runs the prepared cases, at most `options.concurrency` at once.
 pub async fn execute(
     runtime: Arc<Runtime>,
@@ -454,46 +468,46 @@ pub async fn execute(
     options: &CampaignOptions,
     progress: &(dyn Fn(usize, usize) + Sync),
 ) -> (CampaignReport, Timing) {
+    let (outcomes, timing) = run_cases(&runtime, &prepared, options, progress).await;
+    (assemble(&runtime, prepared, outcomes, options), timing)
+}
+
+/// Runs the prepared cases and returns, per saga, each case's outcome by its position.
+pub(crate) async fn run_cases(
+    runtime: &Arc<Runtime>,
+    prepared: &Prepared,
+    options: &CampaignOptions,
+    progress: &(dyn Fn(usize, usize) + Sync),
+) -> (Vec<Vec<(usize, CaseOutcome)>>, Timing) {
     let started = std::time::Instant::now();
     let total: usize = prepared.sagas.iter().map(|s| s.cases.len()).sum();
     let permits = Arc::new(tokio::sync::Semaphore::new(options.concurrency.max(1)));
-    let (mut done, mut latencies, mut sagas) = (0, Vec::new(), Vec::new());
-    for saga in prepared.sagas {
+    let (mut done, mut latencies, mut all) = (0, Vec::new(), Vec::new());
+    for saga in &prepared.sagas {
         let tasks: Vec<_> =
-            saga.cases.iter().map(|case| spawn_case(&runtime, &saga, case, &permits, options)).collect();
-        let mut metrics = Metrics::default();
-        let (mut reports, mut problems) = (Vec::new(), saga.problems);
-        for (case, task) in saga.cases.iter().zip(tasks) {
-            match outcome_of(task).await {
-                Ok((case_report, run)) => {
-                    metrics.add(&case_report, &run, &saga.subject.saga);
+            saga.cases.iter().map(|(_, case)| spawn_case(runtime, saga, case, &permits, options)).collect();
+        let mut outcomes = Vec::with_capacity(tasks.len());
+        for ((index, case), task) in saga.cases.iter().zip(tasks) {
+            let outcome = match join_case(task).await {
+                Ok((report, run)) => {
                     latencies.extend(rollback_latency(&run));
-                    reports.push(case_report);
+                    let mut metrics = Metrics::default();
+                    metrics.add(&report, &run, &saga.subject.saga);
+                    CaseOutcome::Judged { report: Box::new(report), counts: metrics.counts }
                 }
-                Err(panic) => {
-                    metrics.add_panicked();
-                    problems.push(format!(
+                Err(panic) => CaseOutcome::Panicked {
+                    problem: format!(
                         "case '{}' panicked: {panic} (replay: {})",
                         case.id,
                         replay_command(&saga.subject.saga.path, options, &case.id)
-                    ));
-                }
-            }
+                    ),
+                },
+            };
+            outcomes.push((*index, outcome));
             done += 1;
             progress(done, total);
         }
-        let subject = &saga.subject;
-        sagas.push(SagaReport {
-            saga: subject.saga.name.clone(),
-            file: subject.saga.path.clone(),
-            plugins: plugins_of(&runtime, &subject.saga),
-            fixture_digest: subject.initial.digest(),
-            ledgers: subject.saga.plan.ledgers.clone(),
-            steps: html::Lane::of(&subject.saga.plan),
-            metrics,
-            problems,
-            cases: reports,
-        });
+        all.push(outcomes);
     }
     let seconds = started.elapsed().as_secs_f64();
     let timing = Timing {
@@ -502,7 +516,53 @@ pub async fn execute(
         cases_per_second: done as f64 / seconds.max(1e-9),
         rollback_latency_us: Percentiles::of(latencies),
     };
-    (empty_report(options, sagas), timing)
+    (all, timing)
+}
+
+/// How one case ended: judged, or its task panicked (the case then fails by name).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CaseOutcome {
+    Judged { report: Box<CaseReport>, counts: Counts },
+    Panicked { problem: String },
+}
+
+/// The report of a campaign from its cases' outcomes (`outcomes[saga]`, in case order).
+pub(crate) fn assemble(
+    runtime: &Runtime,
+    prepared: Prepared,
+    outcomes: Vec<Vec<(usize, CaseOutcome)>>,
+    options: &CampaignOptions,
+) -> CampaignReport {
+    let mut sagas = Vec::new();
+    for (saga, outcomes) in prepared.sagas.into_iter().zip(outcomes) {
+        let (mut metrics, mut reports, mut problems) = (Metrics::default(), Vec::new(), saga.problems);
+        for (_, outcome) in outcomes {
+            match outcome {
+                CaseOutcome::Judged { report, counts } => {
+                    metrics.merge(&Metrics::of_case(report.verdict, counts));
+                    reports.push(*report);
+                }
+                CaseOutcome::Panicked { problem } => {
+                    metrics.add_panicked();
+                    problems.push(problem);
+                }
+            }
+        }
+        let subject = &saga.subject;
+        sagas.push(SagaReport {
+            saga: subject.saga.name.clone(),
+            file: subject.saga.path.clone(),
+            plugins: plugins_of(runtime, &subject.saga),
+            fixture_digest: subject.initial.digest(),
+            ledgers: subject.saga.plan.ledgers.clone(),
+            steps: html::Lane::of(&subject.saga.plan),
+            metrics,
+            problems,
+            cases: reports,
+        });
+    }
+    empty_report(options, sagas)
 }
 
 fn spawn_case(
@@ -528,7 +588,7 @@ fn spawn_case(
 
 /// A finished task's result; a panic comes back as its message, so the campaign can fail
 /// the case by name instead of losing it.
-async fn outcome_of(task: tokio::task::JoinHandle<(CaseReport, RunReport)>) -> CaseOutcome {
+async fn join_case(task: tokio::task::JoinHandle<(CaseReport, RunReport)>) -> Result<(CaseReport, RunReport), String> {
     task.await.map_err(|e| {
         if !e.is_panic() {
             return format!("its task ended early: {e}");
@@ -600,7 +660,7 @@ fn expected_mismatches(expected: &Value, state: &State) -> Vec<DiffEntry> {
                 out.push(DiffEntry {
                     namespace: ns.clone(),
                     key: key.clone(),
-                    change: "unexpected",
+                    change: "unexpected".into(),
                     fields: Vec::new(),
                     before: want,
                     after: have,

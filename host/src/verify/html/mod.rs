@@ -228,7 +228,7 @@ impl<'a> CasePage<'a> {
 /// A document that differs, with the fields that do and both whole documents.
 #[derive(Serialize)]
 struct DiffView<'a> {
-    change: &'static str,
+    change: &'a str,
     namespace: &'a str,
     key: &'a str,
     /// `[field, expected, found]`.
@@ -243,7 +243,7 @@ impl<'a> DiffView<'a> {
             doc.as_ref().map(|d| cut(serde_json::to_string_pretty(d).unwrap_or_default()))
         };
         DiffView {
-            change: entry.change,
+            change: &entry.change,
             namespace: &entry.namespace,
             key: &entry.key,
             fields: super::field_changes(entry).into_iter().map(|row| row.map(cut)).collect(),
