@@ -4,15 +4,21 @@
 
 use std::sync::Arc;
 
-use sagabox::backend::{Backend, CommitError, Durability, MemoryBackend, RegisterError, RunRecord, SqliteBackend};
+mod support;
+
+use sagabox::backend::{
+    Backend, CommitError, Durability, MemoryBackend, PostgresBackend, RegisterError, RunRecord, SqliteBackend,
+};
 use sagabox::saga::journal::{Event, EventKind};
 use sagabox::store::{Change, State, Txn, WriteQuota};
 use serde_json::{Value, json};
 
-/// A backend seeded with a state, and what must outlive it (a database's directory).
+/// A backend seeded with a state, a way to open a second handle on the same database (as
+/// another process would), and what must outlive them (a database's directory or schema).
 struct Subject {
-    backend: Box<dyn Backend>,
-    _dir: Option<tempfile::TempDir>,
+    backend: Arc<dyn Backend>,
+    reopen: Box<dyn Fn() -> Arc<dyn Backend> + Send + Sync>,
+    _keep: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl std::ops::Deref for Subject {
@@ -22,15 +28,29 @@ impl std::ops::Deref for Subject {
     }
 }
 
+/// Memory lives in one process: its second handle is the first.
 fn memory(state: &State) -> Subject {
-    Subject { backend: Box::new(MemoryBackend::new(state.clone())), _dir: None }
+    let backend: Arc<dyn Backend> = Arc::new(MemoryBackend::new(state.clone()));
+    let same = Arc::clone(&backend);
+    Subject { backend, reopen: Box::new(move || Arc::clone(&same)), _keep: None }
 }
 
 fn sqlite(state: &State) -> Subject {
     let dir = tempfile::tempdir().unwrap();
-    let db = SqliteBackend::open(&dir.path().join("db.sqlite"), Durability::Normal).unwrap();
-    db.seed(state).unwrap();
-    Subject { backend: Box::new(db), _dir: Some(dir) }
+    let path = dir.path().join("db.sqlite");
+    let open = move || -> Arc<dyn Backend> { Arc::new(SqliteBackend::open(&path, Durability::Normal).unwrap()) };
+    let backend = open();
+    assert!(backend.seed_if_new(state).unwrap());
+    Subject { backend, reopen: Box::new(open), _keep: Some(Box::new(dir)) }
+}
+
+fn postgres(state: &State) -> Subject {
+    let schema = support::postgres::Schema::new("conformance");
+    let url = schema.url.clone();
+    let open = move || -> Arc<dyn Backend> { Arc::new(PostgresBackend::open(&url).unwrap()) };
+    let backend = open();
+    assert!(backend.seed_if_new(state).unwrap());
+    Subject { backend, reopen: Box::new(open), _keep: Some(Box::new(schema)) }
 }
 
 type Open = fn(&State) -> Subject;
@@ -39,7 +59,7 @@ fn pools() -> State {
     State::from_json(&json!({ "pools": { "p": { "allocated": 0 } }, "users": { "u": { "n": 1 } } })).unwrap()
 }
 
-fn txn(backend: &Subject) -> Txn {
+fn txn(backend: &dyn Backend) -> Txn {
     Txn::new(backend.snapshot(), WriteQuota::default())
 }
 
@@ -58,13 +78,17 @@ fn record(run_id: &str) -> RunRecord {
     RunRecord::starting(run_id, "s", "s.json", "{\"steps\":[]}".into(), &json!({ "x": 1 }), 7)
 }
 
-fn seqs(backend: &Subject, run_id: &str) -> Vec<u64> {
+fn now_ms() -> u64 {
+    sagabox::durable::now_ms()
+}
+
+fn seqs(backend: &dyn Backend, run_id: &str) -> Vec<u64> {
     backend.events(run_id).unwrap().iter().map(|e| e.seq).collect()
 }
 
 fn commit_applies_writes_and_returns_changes(open: Open) {
     let backend = open(&pools());
-    let mut t = txn(&backend);
+    let mut t = txn(&*backend);
     t.put("pools", "p", r#"{"allocated": 5}"#).unwrap();
     t.put("orders", "o1", "{}").unwrap();
     t.delete("users", "u").unwrap();
@@ -93,7 +117,7 @@ fn commit_applies_writes_and_returns_changes(open: Open) {
 fn a_conflicting_commit_is_refused_and_writes_nothing(open: Open) {
     let backend = open(&pools());
     backend.register_run(&record("r")).unwrap();
-    let (mut first, mut second) = (txn(&backend), txn(&backend));
+    let (mut first, mut second) = (txn(&*backend), txn(&*backend));
     first.get("pools", "p");
     second.get("pools", "p");
     first.put("pools", "p", r#"{"allocated":1}"#).unwrap();
@@ -105,14 +129,14 @@ fn a_conflicting_commit_is_refused_and_writes_nothing(open: Open) {
     assert!(matches!(err, Err(CommitError::Conflict(_))), "{err:?}");
     assert_eq!(backend.snapshot().digest(), before, "a refused commit wrote to the store");
     assert_eq!(backend.cached("k2"), None, "a refused commit cached its result");
-    assert_eq!(seqs(&backend, "r"), [0], "a refused commit wrote to the journal");
+    assert_eq!(seqs(&*backend, "r"), [0], "a refused commit wrote to the journal");
 }
 
 fn a_second_commit_under_one_key_returns_the_first_output_and_writes_nothing(open: Open) {
     let backend = open(&pools());
     backend.register_run(&record("r")).unwrap();
     // Both deliveries of one call ran before either committed.
-    let (mut first, mut second) = (txn(&backend), txn(&backend));
+    let (mut first, mut second) = (txn(&*backend), txn(&*backend));
     first.put("allocations", "A1", r#"{"n":1}"#).unwrap();
     second.put("allocations", "A1", r#"{"n":2}"#).unwrap();
     second.put("orders", "o", "{}").unwrap();
@@ -122,19 +146,19 @@ fn a_second_commit_under_one_key_returns_the_first_output_and_writes_nothing(ope
     assert!(matches!(&err, Err(CommitError::AlreadyCommitted(v)) if *v == json!({ "n": 1 })), "{err:?}");
     assert_eq!(backend.snapshot().digest(), before, "the second delivery wrote to the store");
     assert_eq!(backend.cached("k"), Some(json!({ "n": 1 })));
-    assert_eq!(seqs(&backend, "r"), [0], "the second delivery wrote to the journal");
+    assert_eq!(seqs(&*backend, "r"), [0], "the second delivery wrote to the journal");
 }
 
 fn cached_returns_only_committed_results(open: Open) {
     let backend = open(&pools());
     assert_eq!(backend.cached("k"), None);
-    let mut t = txn(&backend);
+    let mut t = txn(&*backend);
     t.put("orders", "o", "{}").unwrap();
     backend.commit(&t, Some(("k", &json!({ "id": "o" }))), &[]).unwrap();
     assert_eq!(backend.cached("k"), Some(json!({ "id": "o" })));
     assert_eq!(backend.cached("other"), None);
     // A commit with no result caches nothing, and leaves the cache as it was.
-    backend.commit(&txn(&backend), None, &[]).unwrap();
+    backend.commit(&txn(&*backend), None, &[]).unwrap();
     assert_eq!(backend.cached("k"), Some(json!({ "id": "o" })));
 }
 
@@ -147,11 +171,11 @@ fn the_journal_keeps_every_event_in_order_without_gaps(open: Open) {
     backend.record(&[event("r", 0, EventKind::SagaStarted)]).unwrap();
     backend.record(&[event("r", 1, EventKind::StepStarted)]).unwrap();
     backend.record(&[event("other", 0, EventKind::SagaStarted)]).unwrap();
-    let mut t = txn(&backend);
+    let mut t = txn(&*backend);
     t.put("orders", "o", "{}").unwrap();
     backend.commit(&t, Some(("k", &json!(1))), &[event("r", 2, EventKind::StepCompleted)]).unwrap();
     backend.record(&[event("r", 3, EventKind::StepStarted)]).unwrap();
-    let mut t = txn(&backend);
+    let mut t = txn(&*backend);
     t.put("orders", "o2", "{}").unwrap();
     backend.commit(&t, None, &[event("r", 4, EventKind::StepCompleted)]).unwrap();
     let end = event("r", 5, EventKind::SagaFinished).data(json!({ "status": "completed" }));
@@ -163,7 +187,7 @@ fn the_journal_keeps_every_event_in_order_without_gaps(open: Open) {
     let kinds: Vec<EventKind> = journal.iter().map(|e| e.event).collect();
     use EventKind::*;
     assert_eq!(kinds, [SagaStarted, StepStarted, StepCompleted, StepStarted, StepCompleted, SagaFinished]);
-    assert_eq!(seqs(&backend, "other"), [0]);
+    assert_eq!(seqs(&*backend, "other"), [0]);
     let bytes: usize = journal.iter().map(|e| serde_json::to_string(e).unwrap().len()).sum();
     assert_eq!(backend.journal_bytes("r").unwrap(), bytes as u64);
     assert!(backend.events("missing").unwrap().is_empty());
@@ -177,7 +201,7 @@ fn the_journal_keeps_every_event_in_order_without_gaps(open: Open) {
     // A record is never overwritten, and a commit that carries one writes nothing.
     let err = backend.record(&[event("r", 0, EventKind::SagaResumed)]);
     assert!(matches!(&err, Err(CommitError::Backend(m)) if m.contains("'r'") && m.contains("seq 0")), "{err:?}");
-    let mut t = txn(&backend);
+    let mut t = txn(&*backend);
     t.put("orders", "o3", "{}").unwrap();
     let before = backend.snapshot().digest();
     let err = backend.commit(&t, Some(("k3", &json!(3))), &[event("r", 2, EventKind::StepCompleted)]);
@@ -203,24 +227,30 @@ fn the_run_registry_round_trips(open: Open) {
     assert!(got.started_ms > 0, "the registry sets the start time");
     assert_eq!(RunRecord { started_ms: 0, ..got.clone() }, a);
 
-    // Only the process the caller saw running a run hands it over, and only once.
-    assert!(!backend.adopt_run("a", 4_000_001).unwrap());
-    assert!(backend.adopt_run("a", 4_000_000).unwrap());
-    assert!(!backend.adopt_run("a", 4_000_000).unwrap());
-    assert_eq!(backend.runs().unwrap()[0].pid, std::process::id());
-    assert!(!backend.adopt_run("missing", 4_000_000).unwrap());
+    // Only the holder the caller saw hands it over, and only once.
+    let lease = now_ms() + 60_000;
+    let seen = runs[0].clone();
+    let other = RunRecord { owner: "elsewhere/1/0".into(), ..seen.clone() };
+    assert!(!backend.adopt_run("a", &other, lease).unwrap());
+    assert!(backend.adopt_run("a", &seen, lease).unwrap());
+    assert!(!backend.adopt_run("a", &seen, lease).unwrap());
+    let adopted = backend.runs().unwrap().remove(0);
+    assert_eq!((adopted.pid, adopted.owner.as_str()), (std::process::id(), sagabox::backend::this_process()));
+    assert_eq!(adopted.lease_until_ms, Some(lease));
+    assert!(!backend.adopt_run("missing", &seen, lease).unwrap());
     // A finished run is nobody's to take over.
     let end = event("b", 0, EventKind::SagaFinished).data(json!({ "status": "failed" }));
     backend.record(&[end]).unwrap();
-    assert_eq!(backend.runs().unwrap()[1].status, "failed");
-    assert!(!backend.adopt_run("b", std::process::id()).unwrap());
+    let b = backend.runs().unwrap().remove(1);
+    assert_eq!(b.status, "failed");
+    assert!(!backend.adopt_run("b", &b, lease).unwrap());
 }
 
 fn snapshots_are_isolated_from_later_commits(open: Open) {
     let backend = open(&pools());
     let before = backend.snapshot();
     let digest = before.digest();
-    let mut t = txn(&backend);
+    let mut t = txn(&*backend);
     t.put("pools", "p", r#"{"allocated":9}"#).unwrap();
     t.delete("users", "u").unwrap();
     backend.commit(&t, None, &[]).unwrap();
@@ -240,7 +270,7 @@ fn concurrent_increments_lose_no_update(open: Open) {
             std::thread::spawn(move || {
                 for _ in 0..25 {
                     loop {
-                        let mut t = txn(&backend);
+                        let mut t = txn(&**backend);
                         let pool: Value = serde_json::from_str(&t.get("pools", "p").unwrap()).unwrap();
                         let next = pool["allocated"].as_u64().unwrap() + 1;
                         t.put("pools", "p", &json!({ "allocated": next }).to_string()).unwrap();
@@ -260,6 +290,160 @@ fn concurrent_increments_lose_no_update(open: Open) {
     assert_eq!(text(&backend.snapshot(), "pools", "p").as_deref(), Some(r#"{"allocated":100}"#));
 }
 
+/// Adds `n` to the pool as a call would: read, modify, write, again on a conflict.
+fn add(backend: &dyn Backend, n: u64) {
+    loop {
+        let mut t = txn(backend);
+        let pool: Value = serde_json::from_str(&t.get("pools", "p").unwrap()).unwrap();
+        let next = pool["allocated"].as_u64().unwrap() + n;
+        t.put("pools", "p", &json!({ "allocated": next }).to_string()).unwrap();
+        match backend.commit(&t, None, &[]) {
+            Ok(_) => return,
+            Err(CommitError::Conflict(_)) => continue,
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+fn two_handles_never_lose_an_update_and_see_each_others_writes(open: Open) {
+    let subject = open(&pools());
+    let (a, b) = (&subject.backend, (subject.reopen)());
+    let (mut from_a, mut from_b) = (txn(&**a), txn(&*b));
+    from_a.get("pools", "p");
+    from_b.get("pools", "p");
+    from_a.put("pools", "p", r#"{"allocated":1}"#).unwrap();
+    from_b.put("pools", "p", r#"{"allocated":2}"#).unwrap();
+    a.commit(&from_a, None, &[]).unwrap();
+    assert!(matches!(b.commit(&from_b, None, &[]), Err(CommitError::Conflict(_))));
+    assert_eq!(text(&b.snapshot(), "pools", "p").as_deref(), Some(r#"{"allocated":1}"#), "b did not catch up");
+    // Deletes and new keys reach the other handle too.
+    let mut more = txn(&**a);
+    more.delete("users", "u").unwrap();
+    more.put("orders", "o1", "{}").unwrap();
+    a.commit(&more, None, &[]).unwrap();
+    let seen = b.snapshot();
+    assert!(seen.namespace("users").is_none());
+    assert!(seen.get("orders", "o1").is_some());
+    assert_eq!(seen.digest(), a.current_state().unwrap().digest());
+    // b's next commit is validated against the caught-up state: no false conflict.
+    let mut after = txn(&*b);
+    after.get("orders", "o1");
+    after.put("orders", "o2", "{}").unwrap();
+    b.commit(&after, None, &[]).unwrap();
+    // Four handles, as four processes, each adding 25 times.
+    let handles: Vec<_> = (0..4).map(|_| (subject.reopen)()).collect();
+    std::thread::scope(|scope| {
+        for handle in &handles {
+            scope.spawn(|| (0..25).for_each(|_| add(&**handle, 1)));
+        }
+    });
+    let end = a.current_state().unwrap();
+    assert_eq!(text(&end, "pools", "p").as_deref(), Some(r#"{"allocated":101}"#), "an update was lost");
+    for handle in &handles {
+        assert_eq!(handle.snapshot().digest(), end.digest());
+    }
+}
+
+fn a_commit_that_writes_nothing_never_hides_another_handles_commit(open: Open) {
+    let subject = open(&pools());
+    let (a, b) = (&subject.backend, (subject.reopen)());
+    a.register_run(&record("ra")).unwrap();
+    // a commits a read-only step (its journal record and nothing else)...
+    let mut read_only = txn(&**a);
+    read_only.get("pools", "p");
+    a.commit(&read_only, None, &[event("ra", 0, EventKind::StepCompleted)]).unwrap();
+    // ...b allocates 5, and then a allocates 10 on top of what it sees.
+    add(&*b, 5);
+    add(&**a, 10);
+    assert_eq!(text(&a.current_state().unwrap(), "pools", "p").as_deref(), Some(r#"{"allocated":15}"#));
+    assert_eq!(a.snapshot().digest(), b.snapshot().digest());
+}
+
+fn of_two_handles_only_one_adopts_a_run_and_one_delivery_commits(open: Open) {
+    let subject = open(&pools());
+    let (a, b) = (&subject.backend, (subject.reopen)());
+    let mut run = record("r");
+    run.pid = 4_000_000;
+    a.register_run(&run).unwrap();
+    assert!(matches!(b.register_run(&run), Err(RegisterError::Exists { .. })));
+    // Both saw the dead process 4000000 running it; only the first takes it over.
+    let lease = now_ms() + 60_000;
+    let (first, second) = (a.adopt_run("r", &run, lease).unwrap(), b.adopt_run("r", &run, lease).unwrap());
+    assert!(first && !second);
+    // Two deliveries of one call, one per handle: the second writes nothing.
+    let (mut one, mut two) = (txn(&**a), txn(&*b));
+    one.put("allocations", "A1", r#"{"n":1}"#).unwrap();
+    two.put("allocations", "A1", r#"{"n":2}"#).unwrap();
+    a.commit(&one, Some(("k", &json!({ "n": 1 }))), &[event("r", 0, EventKind::StepCompleted)]).unwrap();
+    let err = b.commit(&two, Some(("k", &json!({ "n": 2 }))), &[event("r", 1, EventKind::StepCompleted)]);
+    assert!(matches!(&err, Err(CommitError::AlreadyCommitted(v)) if *v == json!({ "n": 1 })), "{err:?}");
+    assert_eq!(b.cached("k"), Some(json!({ "n": 1 })));
+    assert_eq!(seqs(&*b, "r"), [0]);
+    // And a journal record written by one is never overwritten by the other.
+    let err = b.record(&[event("r", 0, EventKind::SagaResumed)]);
+    assert!(matches!(&err, Err(CommitError::Backend(m)) if m.contains("seq 0")), "{err:?}");
+    assert_eq!(a.events("r").unwrap()[0].event, EventKind::StepCompleted);
+}
+
+fn the_queue_hands_each_run_to_one_claimer_and_leases_renew(open: Open) {
+    let subject = open(&pools());
+    let (a, b) = (&subject.backend, (subject.reopen)());
+    let now = now_ms();
+    let elsewhere = |id: &str, lease_until_ms: u64| RunRecord {
+        owner: "elsewhere/1/0".into(),
+        pid: 1,
+        lease_until_ms: Some(lease_until_ms),
+        ..record(id)
+    };
+    for n in 1..=5 {
+        a.register_run(&record(&format!("q{n}")).queued()).unwrap();
+    }
+    a.register_run(&elsewhere("live", now + 60_000)).unwrap();
+    a.register_run(&elsewhere("dead", now - 1)).unwrap();
+    a.register_run(&elsewhere("done", now - 1)).unwrap();
+    a.record(&[event("done", 0, EventKind::SagaFinished).data(json!({ "status": "completed" }))]).unwrap();
+    let queued = a.runs().unwrap().into_iter().find(|r| r.run_id == "q1").unwrap();
+    assert_eq!((queued.status.as_str(), queued.owner.as_str(), queued.lease_until_ms), ("queued", "", None));
+
+    // Two claimers at once, two runs at a time, until nothing is left.
+    let lease = now + 30_000;
+    let claimed: Vec<RunRecord> = std::thread::scope(|scope| {
+        let claimers: Vec<_> = [&**a, &*b]
+            .into_iter()
+            .map(|handle| {
+                scope.spawn(move || {
+                    let mut mine = Vec::new();
+                    loop {
+                        let got = handle.claim_runs(now, lease, 2).unwrap();
+                        if got.is_empty() {
+                            return mine;
+                        }
+                        mine.extend(got);
+                    }
+                })
+            })
+            .collect();
+        claimers.into_iter().flat_map(|c| c.join().unwrap()).collect()
+    });
+    let mut ids: Vec<&str> = claimed.iter().map(|r| r.run_id.as_str()).collect();
+    ids.sort();
+    assert_eq!(ids, ["dead", "q1", "q2", "q3", "q4", "q5"], "each claimable run once; never a live or finished one");
+    for run in &claimed {
+        assert_eq!((run.status.as_str(), run.owner.as_str()), ("running", sagabox::backend::this_process()));
+        assert_eq!((run.pid, run.lease_until_ms), (std::process::id(), Some(lease)));
+    }
+    // Renewing extends exactly this process's unfinished runs.
+    assert_eq!(a.renew_leases(lease + 1).unwrap(), 6);
+    let runs = b.runs().unwrap();
+    let lease_of = |id: &str| runs.iter().find(|r| r.run_id == id).unwrap().lease_until_ms;
+    assert_eq!(
+        (lease_of("q3"), lease_of("dead"), lease_of("live")),
+        (Some(lease + 1), Some(lease + 1), Some(now + 60_000))
+    );
+    // Once their leases run out, they can be claimed again (their holder died).
+    assert_eq!(b.claim_runs(lease + 2, lease + 10_000, 100).unwrap().len(), 6);
+}
+
 /// One module per backend, each with every test of the suite.
 macro_rules! conformance {
     ($($backend:ident),* $(,)?) => {$(
@@ -273,6 +457,10 @@ macro_rules! conformance {
                 the_run_registry_round_trips,
                 snapshots_are_isolated_from_later_commits,
                 concurrent_increments_lose_no_update,
+                two_handles_never_lose_an_update_and_see_each_others_writes,
+                a_commit_that_writes_nothing_never_hides_another_handles_commit,
+                of_two_handles_only_one_adopts_a_run_and_one_delivery_commits,
+                the_queue_hands_each_run_to_one_claimer_and_leases_renew,
             );
         }
     )*};
@@ -284,4 +472,78 @@ macro_rules! conformance {
     )*};
 }
 
-conformance!(memory, sqlite);
+conformance!(memory, sqlite, postgres);
+
+/// What only the PostgreSQL backend has: a server that may be away, connections that may
+/// break, and a schema it migrates itself.
+mod postgres_server {
+    use super::*;
+    use support::postgres::{Schema, execute};
+
+    #[test]
+    fn an_unreachable_server_is_named_without_its_password() {
+        // Nothing listens on port 1.
+        let url = "postgres://postgres:s3cret@127.0.0.1:1/test";
+        let err = PostgresBackend::open(url).err().expect("opened a database on a closed port");
+        let message = err.to_string();
+        assert!(message.contains("postgres://postgres:***@127.0.0.1:1/test"), "{message}");
+        assert!(!message.contains("s3cret"), "{message}");
+        // The command line says the same, and exits 2 (the command could not run).
+        let out =
+            std::process::Command::new(env!("CARGO_BIN_EXE_sagabox")).args(["runs", "--db", url]).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("postgres://postgres:***@127.0.0.1:1/test") && !stderr.contains("s3cret"), "{stderr}");
+    }
+
+    #[test]
+    fn processes_opening_a_new_database_at_once_migrate_it_once() {
+        let schema = Schema::new("migrate");
+        let opened: Vec<_> = std::thread::scope(|scope| {
+            let openers: Vec<_> = (0..4).map(|_| scope.spawn(|| PostgresBackend::open(&schema.url))).collect();
+            openers.into_iter().map(|o| o.join().unwrap()).collect()
+        });
+        for backend in opened {
+            backend.unwrap();
+        }
+        // Every migration recorded once, and the tables usable.
+        let db = PostgresBackend::open(&schema.url).unwrap();
+        assert!(db.seed_if_new(&pools()).unwrap());
+        assert!(!db.seed_if_new(&pools()).unwrap(), "seeded twice");
+        execute(&format!(
+            "DO $$ BEGIN IF (SELECT COUNT(*) FROM {0}.sagabox_migrations) <> (SELECT MAX(version) FROM {0}.sagabox_migrations)
+             THEN RAISE EXCEPTION 'a migration ran twice'; END IF; END $$",
+            schema.name
+        ));
+        // A database a newer sagabox migrated is refused, not misread.
+        execute(&format!("INSERT INTO {}.sagabox_migrations VALUES (999, 0)", schema.name));
+        let err = PostgresBackend::open(&schema.url).err().expect("opened a newer schema").to_string();
+        assert!(err.contains("version 999") && err.contains("upgrade sagabox"), "{err}");
+    }
+
+    #[test]
+    fn commits_go_on_after_the_server_terminates_every_connection() {
+        let schema = Schema::new("terminate");
+        let app = format!("{}_app", schema.name);
+        let db = PostgresBackend::open(&format!("{}&application_name={app}", schema.url)).unwrap();
+        assert!(db.seed_if_new(&pools()).unwrap());
+        db.register_run(&record("r")).unwrap();
+        for seq in 0..20u64 {
+            if seq % 4 == 0 {
+                // As an administrator (or a failover) would: every connection of ours goes.
+                execute(&format!(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = '{app}'"
+                ));
+            }
+            add(&db, 1);
+            let mut t = txn(&db);
+            t.put("orders", &format!("o{seq}"), "{}").unwrap();
+            db.commit(&t, Some((&format!("k{seq}"), &json!(seq))), &[event("r", seq, EventKind::StepCompleted)])
+                .unwrap_or_else(|e| panic!("commit {seq} after a terminated connection: {e}"));
+        }
+        let state = db.current_state().unwrap();
+        assert_eq!(text(&state, "pools", "p").as_deref(), Some(r#"{"allocated":20}"#));
+        assert_eq!(seqs(&db, "r"), (0..20).collect::<Vec<_>>(), "the journal has a gap or a duplicate");
+        assert_eq!(db.cached("k19"), Some(json!(19)));
+    }
+}

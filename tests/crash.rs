@@ -5,19 +5,25 @@
 //! run's allocations are all there (completed) or all undone (failed), every effect and every
 //! compensation was applied exactly once, and the pools' totals are conserved.
 //!
-//! The suite runs about 80 kill points; `SAGABOX_CRASH_POINTS=1000 cargo test --release
-//! --test crash` runs 1,000 in the main harness and as many more, proportionally, elsewhere.
+//! Every durable test runs on SQLite (module `sqlite`) and on PostgreSQL (module `postgres`,
+//! a schema of its own per database); workers (`sagabox submit`, `sagabox worker`) finish a
+//! queue while one of them is killed, or while their connections are terminated.
+//!
+//! The suite runs about 80 kill points per backend; `SAGABOX_CRASH_POINTS=1000 cargo test
+//! --release --test crash` runs 1,000 in the main harness and as many more, proportionally,
+//! elsewhere.
 
 mod support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use sagabox::backend::{Backend, Durability, RunRecord, SqliteBackend};
+use sagabox::backend::{Backend, Durability, RunRecord};
 use sagabox::saga::journal::EventKind;
 use serde_json::{Value, json};
 use support::*;
@@ -82,6 +88,69 @@ fn setup(dir: &Path) {
     }
 }
 
+/// Sets the delay of every call of the saga `name` in `dir`.
+fn set_delay(dir: &Path, name: &str, delay_ms: u64) {
+    let path = dir.join(format!("{name}.json"));
+    let mut saga: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    for step in saga["saga"]["steps"].as_array_mut().unwrap() {
+        step["action"]["arguments"]["delay_ms"] = json!(delay_ms);
+    }
+    std::fs::write(&path, saga.to_string()).unwrap();
+}
+
+/// Which backend a test runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Sqlite,
+    Postgres,
+}
+
+/// A database of a test: a SQLite file in the test's directory, or a PostgreSQL schema of
+/// its own (dropped with the value).
+enum Db {
+    Sqlite(PathBuf),
+    Postgres(support::postgres::Schema),
+}
+
+impl Db {
+    /// A new database: nothing is created for SQLite (sagabox creates the file); an empty
+    /// schema for PostgreSQL (sagabox creates its tables on connecting). `name` is short:
+    /// schema names have at most 63 characters.
+    fn new(kind: Kind, dir: &Path, name: &str) -> Db {
+        match kind {
+            Kind::Sqlite => Db::Sqlite(dir.join(format!("{name}.db"))),
+            Kind::Postgres => Db::Postgres(support::postgres::Schema::new(name)),
+        }
+    }
+
+    /// The `--db` value.
+    fn arg(&self) -> &str {
+        match self {
+            Db::Sqlite(path) => path.to_str().unwrap(),
+            Db::Postgres(schema) => &schema.url,
+        }
+    }
+
+    /// Whether a process created the database (a schema is always there).
+    fn exists(&self) -> bool {
+        match self {
+            Db::Sqlite(path) => path.exists(),
+            Db::Postgres(_) => true,
+        }
+    }
+
+    fn open(&self) -> Arc<dyn Backend> {
+        sagabox::backend::open(self.arg(), Durability::Normal, true).unwrap()
+    }
+
+    /// Opens the new database and seeds it with the fixture at `fixture`.
+    fn seeded(&self, fixture: &Path) -> Arc<dyn Backend> {
+        let db = self.open();
+        assert!(db.seed_if_new(&sagabox::store::fixture::load(fixture).unwrap()).unwrap(), "{} was not new", db.name());
+        db
+    }
+}
+
 fn sagabox(dir: &Path) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_sagabox"));
     cmd.env("SAGABOX_CACHE_DIR", shared_cache())
@@ -124,19 +193,25 @@ impl Window {
     }
 }
 
-/// Each plan's window, measured once by running it.
-#[derive(Default)]
-struct Windows(BTreeMap<String, Window>);
+/// Each plan's window on one backend, measured once by running it.
+struct Windows {
+    kind: Kind,
+    windows: BTreeMap<String, Window>,
+}
 
 impl Windows {
+    fn new(kind: Kind) -> Windows {
+        Windows { kind, windows: BTreeMap::new() }
+    }
+
     fn of(&mut self, dir: &Path, plan: &Plan) -> Window {
         let name = format!("{} {:?}", plan.saga, plan.faults);
-        *self.0.entry(name).or_insert_with(|| {
-            let db_path = dir.join(format!("calibrate-{}-{}.db", plan.saga, plan.faults.len()));
+        let kind = self.kind;
+        *self.windows.entry(name).or_insert_with(|| {
+            let db = Db::new(kind, dir, &format!("calibrate_{}_{}", plan.saga, plan.faults.len()));
             let spawned = now_ms();
-            start(dir, &db_path, plan, "calibrate").wait().unwrap();
-            let run = SqliteBackend::open(&db_path, Durability::Normal).unwrap().runs().unwrap().remove(0);
-            let _ = std::fs::remove_file(&db_path);
+            start(dir, &db, plan, "calibrate").wait().unwrap();
+            let run = db.open().runs().unwrap().remove(0);
             let startup_ms = run.started_ms.saturating_sub(spawned);
             // Never less than the calls' own sleeps.
             let run_ms = run.finished_ms.unwrap_or(0).saturating_sub(run.started_ms).max(plan.calls * DELAY_MS);
@@ -175,9 +250,9 @@ fn points(default: u64) -> u64 {
     }
 }
 
-fn start(dir: &Path, db: &Path, plan: &Plan, run_id: &str) -> Child {
+fn start(dir: &Path, db: &Db, plan: &Plan, run_id: &str) -> Child {
     let mut cmd = sagabox(dir);
-    cmd.args(["run", dir.join(format!("{}.json", plan.saga)).to_str().unwrap(), "--db", db.to_str().unwrap()]);
+    cmd.args(["run", dir.join(format!("{}.json", plan.saga)).to_str().unwrap(), "--db", db.arg()]);
     cmd.args(["--run-id", run_id]);
     for fault in plan.faults {
         cmd.args(["--fault", fault]);
@@ -192,8 +267,8 @@ fn kill_after(mut child: Child, after: Duration) {
 }
 
 /// Resumes every unfinished run; it must not fail to run (a failed saga is fine).
-fn resume(dir: &Path, db: &Path, context: &str) {
-    let out = sagabox(dir).args(["resume", "--db", db.to_str().unwrap()]).output().unwrap();
+fn resume(dir: &Path, db: &Db, context: &str) {
+    let out = sagabox(dir).args(["resume", "--db", db.arg()]).output().unwrap();
     assert!(
         out.status.code().is_some_and(|c| c <= 1),
         "{context}: resume failed: {}",
@@ -210,11 +285,11 @@ enum Phase {
     Finished,
 }
 
-fn phase_of(db_path: &Path, run_id: &str) -> Phase {
-    if !db_path.exists() {
+fn phase_of(db: &Db, run_id: &str) -> Phase {
+    if !db.exists() {
         return Phase::NotStarted;
     }
-    let db = SqliteBackend::open(db_path, Durability::Normal).unwrap();
+    let db = db.open();
     let Some(run) = db.runs().unwrap().into_iter().find(|r| r.run_id == run_id) else { return Phase::NotStarted };
     if run.status != "running" {
         return Phase::Finished;
@@ -269,12 +344,12 @@ fn allocations_of(saga: &str) -> (usize, u64) {
 
 /// Checks a database after its last resume: `runs` are the runs started on it. Returns how
 /// each registered run ended.
-fn check_all_or_nothing(db_path: &Path, runs: &[(String, Plan)], context: &str) -> Vec<String> {
+fn check_all_or_nothing(db: &Db, runs: &[(String, Plan)], context: &str) -> Vec<String> {
     let mut outcomes = Vec::new();
-    if !db_path.exists() {
+    if !db.exists() {
         return outcomes;
     }
-    let db = SqliteBackend::open(db_path, Durability::Normal).unwrap();
+    let db = db.open();
     let registered = db.runs().unwrap();
     assert!(registered.iter().all(|r| r.status != "running"), "{context}: a run is still unfinished: {registered:?}");
     let state = db.current_state().unwrap();
@@ -320,7 +395,7 @@ fn check_all_or_nothing(db_path: &Path, runs: &[(String, Plan)], context: &str) 
             let pool = if plan.saga == "dag" || plan.saga == "mixed" { "shared" } else { "cluster" };
             *expected_units.entry(pool).or_default() += units;
         }
-        check_journal(&db, run_id, &context);
+        check_journal(&*db, run_id, &context);
     }
     // No compensation of an effect that does not exist; the pools' totals are conserved.
     let effects: BTreeSet<&str> = executions.iter().filter(|e| e.tool == "allocate").map(|e| e.key.as_str()).collect();
@@ -334,7 +409,7 @@ fn check_all_or_nothing(db_path: &Path, runs: &[(String, Plan)], context: &str) 
 }
 
 /// A finished run's journal: in order, ending with its end, no step completed twice.
-fn check_journal(db: &SqliteBackend, run_id: &str, context: &str) {
+fn check_journal(db: &dyn Backend, run_id: &str, context: &str) {
     let events = db.events(run_id).unwrap();
     for kind in [EventKind::StepCompleted, EventKind::CompensationCompleted] {
         let mut per_step: BTreeMap<&str, usize> = BTreeMap::new();
@@ -350,26 +425,35 @@ fn check_journal(db: &SqliteBackend, run_id: &str, context: &str) {
 
 /// Runs `plan` on a new database, kills it at a seeded instant, optionally kills a resume
 /// too, resumes, and checks. Returns where the run was when killed, and how it ended.
-fn kill_and_resume(dir: &Path, point: u64, plan: &Plan, window: Window, kill_resume: bool) -> (Phase, Option<String>) {
+fn kill_and_resume(
+    kind: Kind,
+    dir: &Path,
+    point: u64,
+    plan: &Plan,
+    window: Window,
+    kill_resume: bool,
+) -> (Phase, Option<String>) {
     let mut rng = ChaCha8Rng::seed_from_u64(point);
-    let db_path: PathBuf = dir.join(format!("crash-{point}-{}.db", plan.saga));
+    let db = Db::new(kind, dir, &format!("crash_{point}_{}", plan.saga));
     let run_id = format!("run-{point}");
     let kill_after_run = window.pick(&mut rng);
-    kill_after(start(dir, &db_path, plan, &run_id), kill_after_run);
-    let phase = phase_of(&db_path, &run_id);
-    let mut context = format!("point {point} (killed after {kill_after_run:?} in {phase:?}");
-    if kill_resume && db_path.exists() {
+    kill_after(start(dir, &db, plan, &run_id), kill_after_run);
+    let phase = phase_of(&db, &run_id);
+    let mut context = format!("{kind:?} point {point} (killed after {kill_after_run:?} in {phase:?}");
+    if kill_resume && db.exists() {
         let after = window.pick(&mut rng);
-        let child = sagabox(dir).args(["resume", "--db", db_path.to_str().unwrap()]).spawn().unwrap();
+        let child = sagabox(dir).args(["resume", "--db", db.arg()]).spawn().unwrap();
         kill_after(child, after);
-        context += &format!(", resume killed after {after:?} in {:?}", phase_of(&db_path, &run_id));
+        context += &format!(", resume killed after {after:?} in {:?}", phase_of(&db, &run_id));
     }
     context += ")";
-    if db_path.exists() {
-        resume(dir, &db_path, &context);
+    if db.exists() {
+        resume(dir, &db, &context);
     }
-    let outcome = check_all_or_nothing(&db_path, &[(run_id, *plan)], &context).pop();
-    let _ = std::fs::remove_file(&db_path);
+    let outcome = check_all_or_nothing(&db, &[(run_id, *plan)], &context).pop();
+    if let Db::Sqlite(path) = &db {
+        let _ = std::fs::remove_file(path);
+    }
     (phase, outcome)
 }
 
@@ -395,22 +479,22 @@ impl Tally {
 
 /// Kills and resumes `count` runs of `plans` (in turn) at seeded instants from `first` on;
 /// `kill_resume` says for which points the resume is killed once too.
-fn kill_points(first: u64, count: u64, plans: &[Plan], kill_resume: impl Fn(u64) -> bool) -> Tally {
+fn kill_points(kind: Kind, first: u64, count: u64, plans: &[Plan], kill_resume: impl Fn(u64) -> bool) -> Tally {
     let dir = tempfile::tempdir().unwrap();
     setup(dir.path());
-    let (mut tally, mut windows) = (Tally::default(), Windows::default());
+    let (mut tally, mut windows) = (Tally::default(), Windows::new(kind));
     for point in first..first + count {
         let plan = &plans[point as usize % plans.len()];
-        tally.add(plan, kill_and_resume(dir.path(), point, plan, windows.of(dir.path(), plan), kill_resume(point)));
+        let window = windows.of(dir.path(), plan);
+        tally.add(plan, kill_and_resume(kind, dir.path(), point, plan, window, kill_resume(point)));
     }
-    println!("{count} kill points: {tally:?}");
+    println!("{kind:?}: {count} kill points: {tally:?}");
     tally
 }
 
-#[test]
-fn a_run_killed_at_any_instant_resumes_to_all_or_nothing() {
+fn a_run_killed_at_any_instant_resumes_to_all_or_nothing(kind: Kind) {
     let points = points(48);
-    let tally = kill_points(0, points, &PLANS, |_| false);
+    let tally = kill_points(kind, 0, points, &PLANS, |_| false);
     // The seeded instants must catch runs mid-flight, both forward and compensating, and
     // injected faults must fire.
     assert!(tally.count("Forward") >= points as usize / 5, "{tally:?}");
@@ -418,27 +502,24 @@ fn a_run_killed_at_any_instant_resumes_to_all_or_nothing() {
     assert!(tally.faulted.contains_key("failed"), "{tally:?}");
 }
 
-#[test]
-fn a_resume_killed_at_any_instant_resumes_again_to_all_or_nothing() {
+fn a_resume_killed_at_any_instant_resumes_again_to_all_or_nothing(kind: Kind) {
     // Other seeds than the main harness's.
-    kill_points(10_000, points(12), &PLANS, |_| true);
+    kill_points(kind, 10_000, points(12), &PLANS, |_| true);
 }
 
-#[test]
-fn a_run_with_a_lost_reply_killed_at_any_instant_resumes_to_all_or_nothing() {
-    let tally = kill_points(20_000, points(12), &LOST, |point| point % 3 == 0);
+fn a_run_with_a_lost_reply_killed_at_any_instant_resumes_to_all_or_nothing(kind: Kind) {
+    let tally = kill_points(kind, 20_000, points(12), &LOST, |point| point % 3 == 0);
     assert!(tally.faulted.contains_key("failed"), "{tally:?}");
 }
 
-#[test]
-fn processes_killed_on_one_new_database_resume_to_all_or_nothing() {
+fn processes_killed_on_one_new_database_resume_to_all_or_nothing(kind: Kind) {
     let points = points(8);
     let dir = tempfile::tempdir().unwrap();
     setup(dir.path());
-    let mut windows = Windows::default();
+    let mut windows = Windows::new(kind);
     for point in 0..points {
         let mut rng = ChaCha8Rng::seed_from_u64(30_000 + point);
-        let db_path = dir.path().join(format!("shared-{point}.db"));
+        let db = Db::new(kind, dir.path(), &format!("shared_{point}"));
         // Four runs start at once on a database none of them has seeded yet.
         let plans = [PLANS[1], PLANS[2], PLANS[3], PLANS[5]];
         let runs: Vec<(String, Plan)> = plans.iter().enumerate().map(|(i, p)| (format!("p{point}-{i}"), *p)).collect();
@@ -447,7 +528,7 @@ fn processes_killed_on_one_new_database_resume_to_all_or_nothing() {
             plans.iter().map(|plan| windows.of(dir.path(), plan).pick(&mut rng).mul_f64(1.2)).collect();
         let started = std::time::Instant::now();
         let mut children: Vec<(Child, Duration)> =
-            runs.iter().zip(afters).map(|((id, plan), after)| (start(dir.path(), &db_path, plan, id), after)).collect();
+            runs.iter().zip(afters).map(|((id, plan), after)| (start(dir.path(), &db, plan, id), after)).collect();
         let mut killed = Vec::new();
         children.sort_by_key(|(_, after)| *after);
         for (mut child, after) in children {
@@ -456,35 +537,31 @@ fn processes_killed_on_one_new_database_resume_to_all_or_nothing() {
             let _ = child.wait();
             killed.push(after);
         }
-        let mut context = format!("point {point} (runs killed after {killed:?}");
-        if point % 2 == 1 && db_path.exists() {
+        let mut context = format!("{kind:?} point {point} (runs killed after {killed:?}");
+        if point % 2 == 1 && db.exists() {
             let after = windows.of(dir.path(), &PLANS[3]).pick(&mut rng);
-            let child = sagabox(dir.path()).args(["resume", "--db", db_path.to_str().unwrap()]).spawn().unwrap();
+            let child = sagabox(dir.path()).args(["resume", "--db", db.arg()]).spawn().unwrap();
             kill_after(child, after);
             context += &format!(", resume killed after {after:?}");
         }
         context += ")";
-        if db_path.exists() {
-            resume(dir.path(), &db_path, &context);
+        if db.exists() {
+            resume(dir.path(), &db, &context);
         }
-        check_all_or_nothing(&db_path, &runs, &context);
-        let _ = std::fs::remove_file(&db_path);
+        check_all_or_nothing(&db, &runs, &context);
     }
 }
 
-#[test]
-fn concurrent_processes_on_one_database_keep_state_and_journals_consistent() {
+fn concurrent_processes_on_one_database_keep_state_and_journals_consistent(kind: Kind) {
     let dir = tempfile::tempdir().unwrap();
     setup(dir.path());
-    let db_path = dir.path().join("shared.db");
+    let db = Db::new(kind, dir.path(), "concurrent");
     // Seed first, so that the racing processes find the state there.
-    let db = SqliteBackend::open(&db_path, Durability::Normal).unwrap();
-    db.seed(&sagabox::store::fixture::load(&dir.path().join("completing.fixture.json")).unwrap()).unwrap();
-    drop(db);
+    drop(db.seeded(&dir.path().join("completing.fixture.json")));
     let children: Vec<_> = (0..4)
         .map(|_| {
             sagabox(dir.path())
-                .args(["run", dir.path().join("completing.json").to_str().unwrap(), "--db", db_path.to_str().unwrap()])
+                .args(["run", dir.path().join("completing.json").to_str().unwrap(), "--db", db.arg()])
                 .spawn()
                 .unwrap()
         })
@@ -492,7 +569,7 @@ fn concurrent_processes_on_one_database_keep_state_and_journals_consistent() {
     for mut child in children {
         child.wait().unwrap();
     }
-    let db = SqliteBackend::open(&db_path, Durability::Normal).unwrap();
+    let db = db.open();
     let runs = db.runs().unwrap();
     assert_eq!(runs.len(), 4);
     let completed = runs.iter().filter(|r| r.status == "completed").count();
@@ -512,12 +589,16 @@ fn concurrent_processes_on_one_database_keep_state_and_journals_consistent() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn many_sagas_in_one_process_share_one_database() {
+fn many_sagas_in_one_process_share_one_database(kind: Kind) {
+    tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap().block_on(many_sagas_in_one_process(kind));
+}
+
+async fn many_sagas_in_one_process(kind: Kind) {
     let dir = tempfile::tempdir().unwrap();
-    let db = std::sync::Arc::new(SqliteBackend::open(&dir.path().join("one.db"), Durability::Normal).unwrap());
+    let handle = Db::new(kind, dir.path(), "one");
+    let db = handle.open();
     let fixture = json!({ "pools": { "p": { "capacity": 1000, "allocated": 0 } } });
-    db.seed(&sagabox::store::State::from_json(&fixture).unwrap()).unwrap();
+    assert!(db.seed_if_new(&sagabox::store::State::from_json(&fixture).unwrap()).unwrap());
     std::fs::write(
         dir.path().join("two.json"),
         json!({ "saga": { "steps": [
@@ -534,7 +615,7 @@ async fn many_sagas_in_one_process_share_one_database() {
         let (runtime, saga, db) = (runtime.clone(), saga.clone(), db.clone());
         tasks.push(tokio::spawn(async move {
             let options = sagabox::saga::RunOptions::new(format!("run-{i:02}"), json!({}));
-            sagabox::saga::run(&runtime, &saga, db.as_ref(), options).await
+            sagabox::saga::run(&runtime, &saga, &*db, options).await
         }));
     }
     for task in tasks {
@@ -563,13 +644,11 @@ async fn many_sagas_in_one_process_share_one_database() {
     }
 }
 
-#[test]
-fn resume_reports_a_run_it_cannot_rebuild_and_still_finishes_the_others() {
+fn resume_reports_a_run_it_cannot_rebuild_and_still_finishes_the_others(kind: Kind) {
     let dir = tempfile::tempdir().unwrap();
     setup(dir.path());
-    let db_path = dir.path().join("two.db");
-    let db = SqliteBackend::open(&db_path, Durability::Normal).unwrap();
-    db.seed(&sagabox::store::fixture::load(&dir.path().join("completing.fixture.json")).unwrap()).unwrap();
+    let handle = Db::new(kind, dir.path(), "two");
+    let db = handle.seeded(&dir.path().join("completing.fixture.json"));
     let record = |run_id: &str, definition: String| RunRecord {
         run_id: run_id.into(),
         saga: "s".into(),
@@ -579,6 +658,8 @@ fn resume_reports_a_run_it_cannot_rebuild_and_still_finishes_the_others() {
         seed: 1,
         status: "running".into(),
         pid: u32::MAX, // no such process
+        owner: String::new(),
+        lease_until_ms: None,
         started_ms: 0,
         finished_ms: None,
     };
@@ -587,11 +668,12 @@ fn resume_reports_a_run_it_cannot_rebuild_and_still_finishes_the_others() {
     db.register_run(&record("fine", std::fs::read_to_string(dir.path().join("completing.json")).unwrap())).unwrap();
     drop(db);
 
-    let out = sagabox(dir.path()).args(["resume", "--db", db_path.to_str().unwrap()]).output().unwrap();
+    let out = sagabox(dir.path()).args(["resume", "--db", handle.arg()]).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("cannot resume run broken") && stderr.contains("removed_plugin.tool"), "{stderr}");
-    let runs = SqliteBackend::open(&db_path, Durability::Normal).unwrap().runs().unwrap();
+    assert!(stderr.contains("cannot rebuild run broken") && stderr.contains("removed_plugin.tool"), "{stderr}");
+    assert!(stderr.contains("1 run(s) left unfinished: broken"), "{stderr}");
+    let runs = handle.open().runs().unwrap();
     let status = |id: &str| runs.iter().find(|r| r.run_id == id).unwrap().status.clone();
     assert_eq!(status("fine"), "completed");
     assert_eq!(status("broken"), "running");
@@ -620,7 +702,7 @@ fn setup_interleaved(dir: &Path) {
 }
 
 /// What one allocation step of a run left: its allocation id, from the journal.
-fn allocation_ids(db: &SqliteBackend, run_id: &str) -> Vec<String> {
+fn allocation_ids(db: &dyn Backend, run_id: &str) -> Vec<String> {
     let events = db.events(run_id).unwrap();
     events
         .iter()
@@ -645,19 +727,16 @@ fn pool_and_allocations(state: &sagabox::store::State, pool: &str) -> (u64, u64)
     (allocated, sum)
 }
 
-#[test]
-fn processes_mixing_read_only_steps_and_allocations_lose_no_update() {
+fn processes_mixing_read_only_steps_and_allocations_lose_no_update(kind: Kind) {
     let dir = tempfile::tempdir().unwrap();
     setup_interleaved(dir.path());
-    let db_path = dir.path().join("interleaved.db");
-    let db = SqliteBackend::open(&db_path, Durability::Normal).unwrap();
-    db.seed(&sagabox::store::fixture::load(&dir.path().join("interleaved.fixture.json")).unwrap()).unwrap();
-    drop(db);
+    let handle = Db::new(kind, dir.path(), "interleaved");
+    drop(handle.seeded(&dir.path().join("interleaved.fixture.json")));
     let saga = dir.path().join("interleaved.json");
     let children: Vec<_> = (0..6)
         .map(|i| {
             let mut cmd = sagabox(dir.path());
-            cmd.args(["run", saga.to_str().unwrap(), "--db", db_path.to_str().unwrap(), "--run-id", &format!("m{i}")]);
+            cmd.args(["run", saga.to_str().unwrap(), "--db", handle.arg(), "--run-id", &format!("m{i}")]);
             // Every other run fails at its last allocation and releases the others (and
             // "undoes" its peeks, which have nothing to undo).
             if i % 2 == 1 {
@@ -669,7 +748,7 @@ fn processes_mixing_read_only_steps_and_allocations_lose_no_update() {
     for mut child in children {
         child.wait().unwrap();
     }
-    let db = SqliteBackend::open(&db_path, Durability::Normal).unwrap();
+    let db = handle.open();
     let state = db.current_state().unwrap();
     let (allocated, sum) = pool_and_allocations(&state, "shared");
     assert_eq!(allocated, sum, "the pool's counter disagrees with its allocations: an update was lost");
@@ -677,7 +756,7 @@ fn processes_mixing_read_only_steps_and_allocations_lose_no_update() {
     assert_eq!(runs.len(), 6, "every process registered its run");
     let mut expected = 0;
     for run in runs {
-        let ids = allocation_ids(&db, &run.run_id);
+        let ids = allocation_ids(&*db, &run.run_id);
         let present = ids.iter().filter(|id| state.get("allocations", id).is_some()).count();
         if run.run_id.trim_start_matches('m').parse::<u32>().unwrap() % 2 == 0 {
             assert_eq!(run.status, "completed", "{}", run.run_id);
@@ -691,6 +770,7 @@ fn processes_mixing_read_only_steps_and_allocations_lose_no_update() {
     assert_eq!(allocated, expected);
 }
 
+/// SQLite only: a file that is not there (a PostgreSQL database is created by its server).
 #[test]
 fn reading_commands_on_a_missing_database_fail_and_create_nothing() {
     let dir = tempfile::tempdir().unwrap();
@@ -708,12 +788,11 @@ fn reading_commands_on_a_missing_database_fail_and_create_nothing() {
     }
 }
 
-#[test]
-fn reusing_a_run_id_names_the_run_and_the_database() {
+fn reusing_a_run_id_names_the_run_and_the_database(kind: Kind) {
     let dir = tempfile::tempdir().unwrap();
     setup(dir.path());
-    let db_path = dir.path().join("reuse.db");
-    let db = db_path.to_str().unwrap();
+    let handle = Db::new(kind, dir.path(), "reuse");
+    let db = handle.arg();
     let saga = dir.path().join("completing.json");
     let run =
         || sagabox(dir.path()).args(["run", saga.to_str().unwrap(), "--db", db, "--run-id", "r1"]).output().unwrap();
@@ -721,26 +800,26 @@ fn reusing_a_run_id_names_the_run_and_the_database() {
     let again = run();
     let stderr = String::from_utf8_lossy(&again.stderr);
     assert_eq!(again.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains(&format!("run 'r1' already exists in {db}")), "{stderr}");
+    assert!(stderr.contains(&format!("run 'r1' already exists in {db} (completed)")), "{stderr}");
     assert!(stderr.contains("choose another --run-id"), "{stderr}");
     assert!(!stderr.contains("UNIQUE"), "{stderr}");
     // An unfinished run: the message says how to finish it.
-    let backend = SqliteBackend::open(&db_path, Durability::Normal).unwrap();
+    let backend = handle.open();
     let mut record = backend.runs().unwrap().remove(0);
     record.run_id = "r2".into();
+    record.status = "running".into();
+    record.finished_ms = None;
     backend.register_run(&record).unwrap();
     let out = sagabox(dir.path()).args(["run", saga.to_str().unwrap(), "--db", db, "--run-id", "r2"]).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains(&format!("`sagabox resume --db {db} r2`")), "{stderr}");
 }
 
-#[test]
-fn resumes_started_at_once_run_an_interrupted_run_once() {
+fn resumes_started_at_once_run_an_interrupted_run_once(kind: Kind) {
     let dir = tempfile::tempdir().unwrap();
     setup(dir.path());
-    let db_path = dir.path().join("orphan.db");
-    let db = SqliteBackend::open(&db_path, Durability::Normal).unwrap();
-    db.seed(&sagabox::store::fixture::load(&dir.path().join("completing.fixture.json")).unwrap()).unwrap();
+    let handle = Db::new(kind, dir.path(), "orphan");
+    let db = handle.seeded(&dir.path().join("completing.fixture.json"));
     db.register_run(&RunRecord {
         run_id: "orphan".into(),
         saga: "completing".into(),
@@ -750,28 +829,309 @@ fn resumes_started_at_once_run_an_interrupted_run_once() {
         seed: 1,
         status: "running".into(),
         pid: u32::MAX, // no such process
+        owner: String::new(),
+        lease_until_ms: None,
         started_ms: 0,
         finished_ms: None,
     })
     .unwrap();
     drop(db);
     let children: Vec<_> = (0..4)
-        .map(|_| {
-            sagabox(dir.path())
-                .args(["resume", "--db", db_path.to_str().unwrap()])
-                .stdout(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
+        .map(|_| sagabox(dir.path()).args(["resume", "--db", handle.arg()]).stdout(Stdio::piped()).spawn().unwrap())
         .collect();
     let outputs: Vec<_> = children.into_iter().map(|c| c.wait_with_output().unwrap()).collect();
     let ran = outputs.iter().filter(|o| String::from_utf8_lossy(&o.stdout).contains("(run orphan)")).count();
     let stderr: Vec<_> = outputs.iter().map(|o| String::from_utf8_lossy(&o.stderr).into_owned()).collect();
     assert_eq!(ran, 1, "the run was resumed {ran} times: {stderr:?}");
-    let db = SqliteBackend::open(&db_path, Durability::Normal).unwrap();
+    let db = handle.open();
     let events = db.events("orphan").unwrap();
     // It never started before: the one resume starts it.
     let starts = events.iter().filter(|e| matches!(e.event, EventKind::SagaStarted | EventKind::SagaResumed)).count();
     assert_eq!(starts, 1, "{:?}", events.iter().map(|e| e.event).collect::<Vec<_>>());
     assert_eq!(db.runs().unwrap()[0].status, "completed");
 }
+
+/// Queues `count` runs of the saga `name` (ids `{name}{batch}-1` and on); returns their ids.
+fn submit(dir: &Path, db: &str, name: &str, batch: usize, count: u64) -> Vec<String> {
+    let saga = dir.join(format!("{name}.json"));
+    let base = format!("{name}{batch}");
+    let count_arg = count.to_string();
+    let out = sagabox(dir)
+        .args(["submit", saga.to_str().unwrap(), "--db", db, "--count", &count_arg, "--run-id", &base])
+        .stdout(Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "submit {name}: {}", String::from_utf8_lossy(&out.stderr));
+    let ids: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(String::from).collect();
+    assert_eq!(ids, (1..=count).map(|n| format!("{base}-{n}")).collect::<Vec<_>>(), "submit prints the runs' ids");
+    ids
+}
+
+/// Queues `n` runs, of the sagas that end the same however runs interleave: `failing` (it
+/// cannot fit its pool: rolled back), `dag` and `mixed` (on a pool that never fills:
+/// completed), in three batches of each, so that the queue mixes them. Their calls sleep
+/// `delay_ms`.
+fn queue(dir: &Path, db: &str, n: u64, delay_ms: u64) -> Vec<(String, Plan)> {
+    let plans = [PLANS[0], PLANS[2], PLANS[4]];
+    for plan in &plans {
+        set_delay(dir, plan.saga, delay_ms);
+    }
+    let submits = 3 * plans.len() as u64;
+    let mut runs = Vec::new();
+    for i in 0..submits {
+        let (plan, batch) = (&plans[i as usize % plans.len()], i as usize / plans.len());
+        let count = n / submits + u64::from(i < n % submits);
+        runs.extend(submit(dir, db, plan.saga, batch, count).into_iter().map(|id| (id, *plan)));
+    }
+    assert_eq!(runs.len() as u64, n);
+    runs
+}
+
+/// A worker that exits once no run is left, with its stderr in `log`.
+fn worker(dir: &Path, db: &str, log: &Path) -> Child {
+    sagabox(dir)
+        .args(["worker", "--db", db, "--until-done", "--lease", "2s", "--concurrency", "8"])
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits, polling, until `done` says so; fails with `what` after `limit`.
+fn wait_for(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(started.elapsed() < limit, "{what}: not after {limit:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits for workers to exit by themselves (`--until-done`); each must have finished what
+/// it took (a rolled-back run makes it exit 1).
+fn wait_for_workers(mut workers: Vec<(Child, PathBuf)>, limit: Duration) {
+    let started = Instant::now();
+    let logs = |workers: &[(Child, PathBuf)]| -> String {
+        workers
+            .iter()
+            .map(|(_, log)| std::fs::read_to_string(log).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n--\n")
+    };
+    for n in 0..workers.len() {
+        let status = loop {
+            if let Some(status) = workers[n].0.try_wait().unwrap() {
+                break status;
+            }
+            if started.elapsed() > limit {
+                for (child, _) in &mut workers {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                panic!("the workers did not finish within {limit:?}: {}", logs(&workers));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let log = std::fs::read_to_string(&workers[n].1).unwrap();
+        assert!(status.code().is_some_and(|c| c <= 1), "a worker failed ({status}): {log}");
+        assert!(log.contains("; 0 could not run"), "a worker left runs unfinished: {log}");
+    }
+}
+
+/// How many of `runs` are finished (neither queued nor running).
+fn finished(runs: &[RunRecord]) -> usize {
+    runs.iter().filter(|r| r.status != "queued" && r.status != "running").count()
+}
+
+/// Checks a queue the workers say they finished: every run ended as its plan says, all or
+/// nothing, each effect and compensation applied once, the pools' totals conserved.
+fn check_queue(db: &Db, runs: &[(String, Plan)], context: &str) {
+    let registered = db.open().runs().unwrap();
+    assert_eq!(registered.len(), runs.len(), "{context}: runs in the database");
+    let left: Vec<_> = registered.iter().filter(|r| r.status == "queued" || r.status == "running").collect();
+    assert!(left.is_empty(), "{context}: {} runs left unfinished: {left:?}", left.len());
+    let outcomes = check_all_or_nothing(db, runs, context);
+    assert_eq!(outcomes.len(), runs.len(), "{context}");
+}
+
+/// The issue's acceptance test: 4 workers (8 runs at once each, 2s leases) take `n` queued
+/// runs; one is killed while it holds runs. The others take its runs over once their
+/// leases run out, and every run ends as its plan says, each effect applied once.
+fn workers_finish_every_queued_run_when_one_is_killed(kind: Kind, n: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let db = Db::new(kind, dir.path(), "queue");
+    let started = Instant::now();
+    let runs = queue(dir.path(), db.arg(), n, 5);
+    let queued_in = started.elapsed();
+    let monitor = db.open();
+    let mut workers: Vec<(Child, PathBuf)> = (0..4)
+        .map(|i| {
+            let log = dir.path().join(format!("worker-{i}.log"));
+            (worker(dir.path(), db.arg(), &log), log)
+        })
+        .collect();
+    // Kill one once a quarter of the runs finished, while it holds runs.
+    let (mut victim, victim_log) = workers.remove(1);
+    let pid = victim.id();
+    wait_for(Duration::from_secs(300), "a quarter of the runs finished, the victim holding some", || {
+        let now = monitor.runs().unwrap();
+        finished(&now) >= runs.len() / 4 && now.iter().any(|r| r.status == "running" && r.pid == pid)
+    });
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let (killed_at, killed_after) = (now_ms(), started.elapsed());
+    let at_kill = monitor.runs().unwrap();
+    let held: Vec<&RunRecord> = at_kill.iter().filter(|r| r.status == "running" && r.pid == pid).collect();
+    assert!(!held.is_empty(), "the victim held no run when killed: {}", std::fs::read_to_string(&victim_log).unwrap());
+    let finished_at_kill = finished(&at_kill);
+    assert!(finished_at_kill < runs.len(), "every run finished before the kill");
+
+    wait_for_workers(workers, Duration::from_secs(600));
+    let elapsed = started.elapsed();
+    let context = format!("{kind:?}, {} runs, worker {pid} killed holding {} runs", runs.len(), held.len());
+    check_queue(&db, &runs, &context);
+    // The survivors took the victim's runs over, and only once their leases ran out.
+    let after = monitor.runs().unwrap();
+    let held_ids: BTreeSet<&str> = held.iter().map(|r| r.run_id.as_str()).collect();
+    for run in held {
+        let now = after.iter().find(|r| r.run_id == run.run_id).unwrap();
+        assert_ne!(now.pid, pid, "{context}: run {} still the victim's", run.run_id);
+        let lease = run.lease_until_ms.expect("a held run has a lease");
+        assert!(lease <= killed_at + 2_000, "{context}: a lease beyond 2s");
+        assert!(
+            now.finished_ms.is_some_and(|f| f >= lease),
+            "{context}: run {} finished at {:?}, before the victim's lease ran out at {lease}",
+            run.run_id,
+            now.finished_ms
+        );
+    }
+    // Runs taken over from a live worker (its lease ran out while it was busy) are allowed
+    // (each effect is still applied once, as checked), but worth seeing.
+    let taken_from_live = runs
+        .iter()
+        .filter(|(id, _)| !held_ids.contains(id.as_str()))
+        .filter(|(id, _)| {
+            let events = monitor.events(id).unwrap();
+            events.iter().filter(|e| matches!(e.event, EventKind::SagaStarted | EventKind::SagaResumed)).count() > 1
+        })
+        .count();
+    println!(
+        "{context}: queued in {queued_in:?}, killed after {killed_after:?} ({finished_at_kill} finished then), all \
+         finished in {elapsed:?}; {taken_from_live} runs of live workers were taken over"
+    );
+}
+
+fn workers_finish_every_queued_run_when_one_is_killed_on_sqlite() {
+    workers_finish_every_queued_run_when_one_is_killed(Kind::Sqlite, worker_runs(WORKER_RUNS_SQLITE));
+}
+
+/// Runs queued for the workers: 1,000 on PostgreSQL, as the issue asks; 300 on SQLite
+/// (one machine's database, tested beside it). `SAGABOX_WORKER_RUNS=N` queues N on both.
+fn worker_runs(default: u64) -> u64 {
+    std::env::var("SAGABOX_WORKER_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+const WORKER_RUNS: u64 = 1000;
+const WORKER_RUNS_SQLITE: u64 = 300;
+
+/// PostgreSQL only: while workers run queued runs, their server connections are terminated
+/// (`pg_terminate_backend`) a few times; the backend reconnects, and every run still ends as
+/// its plan says, each effect applied once.
+fn workers_recover_when_their_connections_are_terminated() {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    let db = Db::new(Kind::Postgres, dir.path(), "conn_kill");
+    let Db::Postgres(schema) = &db else { unreachable!() };
+    // Only the workers' connections carry this name.
+    let app = schema.name.clone();
+    let url = format!("{}&application_name={app}", schema.url);
+    let runs = queue(dir.path(), db.arg(), 150, 20);
+    let monitor = db.open();
+    let workers: Vec<(Child, PathBuf)> = (0..3)
+        .map(|i| {
+            let log = dir.path().join(format!("worker-{i}.log"));
+            (worker(dir.path(), &url, &log), log)
+        })
+        .collect();
+    let terminate = format!(
+        "DO $$ BEGIN
+           IF NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE application_name = '{app}') THEN
+             RAISE EXCEPTION 'no connection of the workers';
+           END IF;
+           PERFORM pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = '{app}';
+         END $$"
+    );
+    let times = 5;
+    let mut at = Vec::new();
+    for k in 1..=times {
+        // Spread over the run: after each sixth of the runs finished.
+        wait_for(Duration::from_secs(300), "runs finishing", || {
+            finished(&monitor.runs().unwrap()) >= runs.len() * k / (times + 1)
+        });
+        wait_for(Duration::from_secs(60), "a connection of the workers to terminate", || {
+            support::postgres::try_execute(&terminate).is_ok()
+        });
+        at.push(finished(&monitor.runs().unwrap()));
+    }
+    assert!(at.iter().all(|n| *n < runs.len()), "runs were in flight at each termination: {at:?}");
+    let logs: Vec<PathBuf> = workers.iter().map(|(_, log)| log.clone()).collect();
+    wait_for_workers(workers, Duration::from_secs(600));
+    check_queue(&db, &runs, &format!("connections terminated {times} times, runs finished then: {at:?}"));
+    let retries: usize = logs
+        .iter()
+        .map(|log| std::fs::read_to_string(log).unwrap().matches("retrying after a broken connection").count())
+        .sum();
+    println!(
+        "connections terminated {times} times (runs finished then: {at:?}); the workers retried {retries} queries"
+    );
+}
+
+/// One module per backend, each with every durable test.
+macro_rules! on_every_backend {
+    ($($test:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[test]
+                fn $test() {
+                    super::$test(super::Kind::Sqlite);
+                }
+            )*
+
+            #[test]
+            fn workers_finish_every_queued_run_when_one_is_killed() {
+                super::workers_finish_every_queued_run_when_one_is_killed_on_sqlite();
+            }
+        }
+
+        mod postgres {
+            $(
+                #[test]
+                fn $test() {
+                    super::$test(super::Kind::Postgres);
+                }
+            )*
+
+            #[test]
+            fn workers_finish_every_queued_run_when_one_is_killed() {
+                super::workers_finish_every_queued_run_when_one_is_killed(super::Kind::Postgres, super::worker_runs(super::WORKER_RUNS));
+            }
+
+            #[test]
+            fn workers_recover_when_their_connections_are_terminated() {
+                super::workers_recover_when_their_connections_are_terminated();
+            }
+        }
+    };
+}
+
+on_every_backend!(
+    a_run_killed_at_any_instant_resumes_to_all_or_nothing,
+    a_resume_killed_at_any_instant_resumes_again_to_all_or_nothing,
+    a_run_with_a_lost_reply_killed_at_any_instant_resumes_to_all_or_nothing,
+    processes_killed_on_one_new_database_resume_to_all_or_nothing,
+    concurrent_processes_on_one_database_keep_state_and_journals_consistent,
+    many_sagas_in_one_process_share_one_database,
+    resume_reports_a_run_it_cannot_rebuild_and_still_finishes_the_others,
+    processes_mixing_read_only_steps_and_allocations_lose_no_update,
+    reusing_a_run_id_names_the_run_and_the_database,
+    resumes_started_at_once_run_an_interrupted_run_once,
+);

@@ -827,8 +827,28 @@ impl Backend for Dying<'_> {
         self.inner.register_run(run)
     }
 
-    fn adopt_run(&self, run_id: &str, seen_pid: u32) -> Result<bool, DbError> {
-        self.inner.adopt_run(run_id, seen_pid)
+    fn adopt_run(&self, run_id: &str, seen: &RunRecord, lease_until_ms: u64) -> Result<bool, DbError> {
+        self.inner.adopt_run(run_id, seen, lease_until_ms)
+    }
+
+    fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError> {
+        self.inner.claim_runs(now_ms, lease_until_ms, limit)
+    }
+
+    fn renew_leases(&self, lease_until_ms: u64) -> Result<u64, DbError> {
+        self.inner.renew_leases(lease_until_ms)
+    }
+
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+
+    fn current_state(&self) -> Result<State, DbError> {
+        self.inner.current_state()
+    }
+
+    fn seed_if_new(&self, state: &State) -> Result<bool, DbError> {
+        self.inner.seed_if_new(state)
     }
 
     fn runs(&self) -> Result<Vec<RunRecord>, DbError> {

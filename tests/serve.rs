@@ -62,11 +62,14 @@ fn fixture_digest() -> &'static str {
     })
 }
 
-/// A database, seeded by the server from `fixture`, in a directory of its own.
+/// A database, seeded by the server from `fixture`, in a directory of its own (for SQLite,
+/// the file; logs either way).
 struct Store {
     dir: tempfile::TempDir,
     db: String,
     fixture: String,
+    /// The PostgreSQL schema that `db` names, if it is one.
+    _schema: Option<support::postgres::Schema>,
 }
 
 impl Store {
@@ -88,7 +91,13 @@ impl Store {
 
     fn in_dir(dir: tempfile::TempDir, fixture: PathBuf) -> Store {
         let db = dir.path().join("store.db").to_str().unwrap().to_string();
-        Store { dir, db, fixture: fixture.to_str().unwrap().to_string() }
+        Store { dir, db, fixture: fixture.to_str().unwrap().to_string(), _schema: None }
+    }
+
+    /// A store in a PostgreSQL schema of its own, seeded from the usual fixture.
+    fn postgres(tag: &str) -> Store {
+        let schema = support::postgres::Schema::new(tag);
+        Store { db: schema.url.clone(), _schema: Some(schema), ..Store::new() }
     }
 
     fn path(&self, name: &str) -> String {
@@ -168,12 +177,21 @@ struct Server {
 
 impl Server {
     fn start(store: &Store, extra: &[&str]) -> Server {
+        Server::launch(store, store.serve_args(), extra)
+    }
+
+    /// A server joining a store another one seeded (so without `--state`).
+    fn join(store: &Store) -> Server {
+        Server::launch(store, ["serve", "--db", &store.db].map(String::from).to_vec(), &[])
+    }
+
+    fn launch(store: &Store, serve_args: Vec<String>, extra: &[&str]) -> Server {
         let port = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap().local_addr().unwrap().port();
         let address = format!("127.0.0.1:{port}");
         let log = store.path(&format!("serve-{port}.log"));
         let file = std::fs::File::create(&log).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_sagabox"))
-            .args(store.serve_args())
+            .args(serve_args)
             .args(extra)
             .args(["--http", &address])
             .env("SAGABOX_CACHE_DIR", shared_cache())
@@ -229,9 +247,14 @@ impl Served {
 
     /// Runs tests/mcp/`name` (the SDK spawns the server itself over stdio) and returns its summary.
     fn script(&self, name: &str, args: &[&str]) -> Value {
+        self.script_via(self.server.as_ref(), name, args)
+    }
+
+    /// [`Served::script`] against `server` (another server of the same store, say).
+    fn script_via(&self, server: Option<&Server>, name: &str, args: &[&str]) -> Value {
         let mut command = python::script(&python::venv(), &python::workspace().join("tests/mcp").join(name));
         command.args(args).args(["--mode", self.transport.mode()]);
-        match &self.server {
+        match server {
             Some(server) => command.args(["--url", &server.url]),
             None => {
                 command.arg("--").arg(env!("CARGO_BIN_EXE_sagabox")).args(self.store.serve_args()).args(&self.extra)
@@ -375,6 +398,37 @@ fn resume_compensates_what_a_killed_server_left_open() {
     assert_eq!(String::from_utf8_lossy(&again.stdout).trim(), "", "a second resume did something");
     assert_eq!(store.runs(), runs, "a second resume changed the runs");
     assert_eq!(store.digest(), fixture_digest());
+}
+
+#[test]
+fn servers_sharing_one_postgres_keep_every_session_and_a_worker_undoes_a_dead_servers() {
+    // Two servers on one database, as behind a load balancer.
+    let mut first = Served::start(HttpModern, Store::postgres("serve"), &[]);
+    let second = Server::join(&first.store);
+    let committed = first.script_via(Some(&second), "idempotent_retry.py", &[]);
+    let store = &first.store;
+    let after_commit = store.digest();
+    assert_ne!(after_commit, fixture_digest(), "the second server's committed booking is not in the shared store");
+    assert_eq!(seats_and_rooms(&store.state()).0, 8);
+    // The first server sees it, and leaves a transaction open on top of it.
+    let open = first.script("walk_away.py", &[]);
+    assert_eq!(store.run(&open["transaction"])["status"], "running");
+    assert_eq!(seats_and_rooms(&store.state()), (7, 2), "the open transaction booked on top of the committed one");
+
+    first.server().kill();
+    let store = &first.store;
+    // A worker (here on the same machine; elsewhere once the lease runs out) takes over the
+    // dead server's session and undoes it; the second server's committed one stays.
+    let worker = support::sagabox(&["worker", "--db", &store.db, "--until-done", "--lease", "2s"]);
+    let log = String::from_utf8_lossy(&worker.stderr);
+    assert!(worker.status.success(), "worker: {log}");
+    assert!(log.contains("; 0 could not run"), "{log}");
+    assert_eq!(store.digest(), after_commit, "the worker did not undo exactly the open transaction");
+    assert_finished(&store.run(&open["transaction"]));
+    assert_eq!(
+        added(&store.state(), "reservations"),
+        BTreeSet::from([committed["flight"].as_str().unwrap().to_string()])
+    );
 }
 
 #[test]

@@ -210,6 +210,8 @@ async fn a_session_a_crash_left_open_is_compensated_once_from_its_journal() {
             seed: 0,
             status: "running".into(),
             pid: 0,
+            owner: String::new(),
+            lease_until_ms: None,
             started_ms: 0,
             finished_ms: None,
         })

@@ -5,12 +5,16 @@
 //!   each call in a fresh, limited sandbox;
 //! - [`store`]: the namespaced JSON documents tools act on, with snapshots, digests and diffs;
 //! - [`backend`]: where runs keep the store's writes, the result cache, the run registry
-//!   and the journal: in memory or in SQLite (a crashed run then resumes);
+//!   and the journal: in memory, in SQLite (a crashed run then resumes) or in PostgreSQL
+//!   (many processes on many machines share it);
 //! - [`saga`]: sagas of tool calls, their execution and compensation;
 //! - [`verify`]: rollback verification campaigns;
-//! - [`serve`]: tools and sagas over MCP, an agent's session being a saga.
+//! - [`serve`]: tools and sagas over MCP, an agent's session being a saga;
+//! - [`durable`]: runs across processes: owners and leases, resuming what a dead process
+//!   left, and workers that take queued runs.
 
 pub mod backend;
+pub mod durable;
 pub mod ids;
 pub mod json;
 pub mod runtime;

@@ -1,6 +1,7 @@
 //! Shared helpers for the end-to-end tests.
 #![allow(dead_code)]
 
+pub mod postgres;
 pub mod python;
 
 use std::path::{Path, PathBuf};

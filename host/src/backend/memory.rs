@@ -7,7 +7,10 @@ use std::sync::Mutex;
 
 use serde_json::Value;
 
-use super::{Backend, CommitError, DbError, RegisterError, RunRecord, duplicate_event, finished_status, lock, now_ms};
+use super::{
+    Backend, CommitError, DbError, RegisterError, RunRecord, duplicate_event, finished_status, lock, now_ms,
+    this_process,
+};
 use crate::saga::journal::Event;
 use crate::store::{Change, MemoryStore, State, Txn};
 
@@ -50,6 +53,19 @@ impl Registry {
     }
 }
 
+/// Makes `run` this process's, under a lease until `lease_until_ms`.
+fn take(run: &mut RunRecord, lease_until_ms: u64) {
+    run.status = "running".into();
+    run.owner = this_process().into();
+    run.pid = std::process::id();
+    run.lease_until_ms = Some(lease_until_ms);
+}
+
+/// Whether a worker may take `run` at `now_ms`: queued, or unfinished with its lease run out.
+fn claimable(run: &RunRecord, now_ms: u64) -> bool {
+    run.status == "queued" || (run.status == "running" && run.lease_until_ms.is_some_and(|t| t < now_ms))
+}
+
 impl MemoryBackend {
     pub fn new(state: State) -> MemoryBackend {
         MemoryBackend { store: MemoryStore::new(state), ..MemoryBackend::default() }
@@ -89,21 +105,62 @@ impl Backend for MemoryBackend {
         lock(&self.results).get(key).cloned()
     }
 
+    fn name(&self) -> String {
+        "memory".into()
+    }
+
+    fn current_state(&self) -> Result<State, DbError> {
+        Ok(self.store.snapshot())
+    }
+
+    fn seed_if_new(&self, state: &State) -> Result<bool, DbError> {
+        // The registry's lock keeps a run from registering in between.
+        let registry = lock(&self.registry);
+        let now = self.store.snapshot();
+        let new = now.version() == 0 && now.doc_count() == 0 && registry.runs.is_empty();
+        if new {
+            self.store.reset(state.clone());
+        }
+        Ok(new)
+    }
+
     fn register_run(&self, run: &RunRecord) -> Result<(), RegisterError> {
         let mut registry = lock(&self.registry);
         if registry.journals.contains_key(&run.run_id) {
             return Err(RegisterError::Exists { run_id: run.run_id.clone(), db: "memory".into() });
         }
         registry.journals.insert(run.run_id.clone(), BTreeMap::new());
-        let status = "running".to_string();
-        registry.runs.push(RunRecord { status, started_ms: now_ms(), finished_ms: None, ..run.clone() });
+        registry.runs.push(RunRecord { started_ms: now_ms(), finished_ms: None, ..run.clone() });
         Ok(())
     }
 
-    fn adopt_run(&self, run_id: &str, seen_pid: u32) -> Result<bool, DbError> {
+    fn adopt_run(&self, run_id: &str, seen: &RunRecord, lease_until_ms: u64) -> Result<bool, DbError> {
         let mut registry = lock(&self.registry);
-        let run = registry.runs.iter_mut().find(|r| r.run_id == run_id && r.pid == seen_pid && r.status == "running");
-        Ok(run.map(|r| r.pid = std::process::id()).is_some())
+        let run = registry
+            .runs
+            .iter_mut()
+            .find(|r| r.run_id == run_id && r.owner == seen.owner && r.pid == seen.pid && r.status == "running");
+        Ok(run.map(|r| take(r, lease_until_ms)).is_some())
+    }
+
+    fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError> {
+        let mut registry = lock(&self.registry);
+        let mut claimable: Vec<&mut RunRecord> = registry.runs.iter_mut().filter(|r| claimable(r, now_ms)).collect();
+        claimable.sort_by(|a, b| (a.started_ms, &a.run_id).cmp(&(b.started_ms, &b.run_id)));
+        Ok(claimable
+            .into_iter()
+            .take(limit)
+            .map(|r| {
+                take(r, lease_until_ms);
+                r.clone()
+            })
+            .collect())
+    }
+
+    fn renew_leases(&self, lease_until_ms: u64) -> Result<u64, DbError> {
+        let mut registry = lock(&self.registry);
+        let mine = registry.runs.iter_mut().filter(|r| r.owner == this_process() && r.status == "running");
+        Ok(mine.map(|r| r.lease_until_ms = Some(lease_until_ms)).count() as u64)
     }
 
     fn runs(&self) -> Result<Vec<RunRecord>, DbError> {

@@ -2,12 +2,19 @@
 //! the run registry and the journal, behind one [`Backend`] trait.
 //!
 //! - [`memory`]: in this process only (verify campaigns, runs and servers without `--db`);
-//! - [`sqlite`]: one SQLite file, so that a saga killed at any instant can be resumed.
+//! - [`sqlite`]: one SQLite file, so that a saga killed at any instant can be resumed;
+//! - [`postgres`]: one PostgreSQL database that many processes on many machines share.
+//!
+//! [`open`] picks one from what the user gave `--db`: a `postgres://` URL or a file.
 //!
 //! Every backend passes the same conformance suite (`tests/backend.rs`).
 
 pub mod memory;
+pub mod postgres;
 pub mod sqlite;
+
+use std::path::Path;
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde_json::Value;
@@ -16,7 +23,12 @@ use crate::saga::journal::{Event, EventKind};
 use crate::store::{Change, Conflict, State, Txn};
 
 pub use memory::MemoryBackend;
+pub use postgres::PostgresBackend;
 pub use sqlite::{Durability, SqliteBackend};
+
+/// How long a process holds a run without renewing its lease (`durable::Heartbeat` renews
+/// it every third of that).
+pub const DEFAULT_LEASE: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// Why a commit did not happen. Nothing was written either way.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -36,7 +48,7 @@ pub enum CommitError {
 #[derive(Debug, thiserror::Error)]
 #[error("database {db}: {error}")]
 pub struct DbError {
-    /// The database as the user named it (a file's path).
+    /// The database as the user named it (a file's path, a URL without its password).
     pub db: String,
     pub error: String,
 }
@@ -61,10 +73,17 @@ pub struct RunRecord {
     pub definition: String,
     pub input: Value,
     pub seed: u64,
-    /// `running` until the run finishes, then its final status.
+    /// `queued` until a worker takes it (`sagabox submit`), `running` until it finishes,
+    /// then its final status.
     pub status: String,
-    /// The process that runs it (a resume leaves alone runs whose process is alive).
+    /// The process that runs it, on the machine `owner` names.
     pub pid: u32,
+    /// Who holds the run: `host/pid/nonce` of a process ([`this_process`]); empty while
+    /// queued, and in databases from before leases.
+    pub owner: String,
+    /// Until when the owner holds it (unix ms): the owner renews its leases while it lives,
+    /// and a run whose lease ran out is free for a worker to take over.
+    pub lease_until_ms: Option<u64>,
     /// Set by the registry when the run is registered.
     pub started_ms: u64,
     pub finished_ms: Option<u64>,
@@ -89,10 +108,42 @@ impl RunRecord {
             seed,
             status: "running".into(),
             pid: std::process::id(),
+            owner: this_process().to_string(),
+            lease_until_ms: Some(now_ms() + DEFAULT_LEASE.as_millis() as u64),
             started_ms: 0,
             finished_ms: None,
         }
     }
+
+    /// A run for a worker to take: queued, nobody's yet.
+    pub fn queued(mut self) -> RunRecord {
+        self.status = "queued".into();
+        self.owner.clear();
+        self.pid = 0;
+        self.lease_until_ms = None;
+        self
+    }
+
+    /// The machine of the process that holds the run, if it names one.
+    pub fn owner_host(&self) -> Option<&str> {
+        self.owner.split('/').next().filter(|h| !h.is_empty())
+    }
+}
+
+/// This process as run owners name it: `host/pid/nonce` (the nonce tells apart two lives of
+/// one pid).
+pub fn this_process() -> &'static str {
+    static OWNER: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    OWNER.get_or_init(|| format!("{}/{}/{:08x}", this_host(), std::process::id(), rand::random::<u32>()))
+}
+
+/// This machine's name (`localhost` if it has none).
+pub fn this_host() -> &'static str {
+    static HOST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    HOST.get_or_init(|| {
+        let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default().trim().replace('/', "_");
+        if name.is_empty() { "localhost".into() } else { name }
+    })
 }
 
 /// Where runs keep their state. A call's writes, its cached result and the journal events
@@ -121,14 +172,37 @@ pub trait Backend: Send + Sync {
         false
     }
 
-    /// Registers a run that is about to start; its journal is kept from then on (the memory
-    /// backend keeps only registered runs' journals, so runs nobody lists cost nothing).
+    /// Registers a run that is about to start, or a queued one ([`RunRecord::queued`]), as
+    /// `run` describes it (its start time is the registry's); its journal is kept from then
+    /// on (the memory backend keeps only registered runs' journals, so runs nobody lists
+    /// cost nothing).
     fn register_run(&self, run: &RunRecord) -> Result<(), RegisterError>;
 
-    /// Takes over an unfinished run from process `seen_pid`, the one the caller saw running
-    /// it: a compare-and-swap, so that of two processes resuming it at once only one gets
-    /// it. Returns whether this process got it.
-    fn adopt_run(&self, run_id: &str, seen_pid: u32) -> Result<bool, DbError>;
+    /// Takes over an unfinished run from `seen`, the holder the caller saw (its owner, or
+    /// for databases from before leases its pid): a compare-and-swap, so that of two
+    /// processes resuming it at once only one gets it. The run is then this process's, under
+    /// a lease until `lease_until_ms`. Returns whether this process got it.
+    fn adopt_run(&self, run_id: &str, seen: &RunRecord, lease_until_ms: u64) -> Result<bool, DbError>;
+
+    /// Takes up to `limit` runs for this process, under a lease until `lease_until_ms`:
+    /// queued runs, and unfinished runs whose lease ran out before `now_ms` (their owner
+    /// died), oldest first. Two processes never take the same run.
+    fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError>;
+
+    /// Extends to `lease_until_ms` the lease of every unfinished run this process holds;
+    /// returns how many it holds.
+    fn renew_leases(&self, lease_until_ms: u64) -> Result<u64, DbError>;
+
+    /// The database as messages name it (a file's path, a URL without its password).
+    fn name(&self) -> String;
+
+    /// The state as the database holds it now, read from it (not this process's copy).
+    fn current_state(&self) -> Result<State, DbError>;
+
+    /// Writes `state` as the starting state if the database holds no state and no run yet;
+    /// returns whether it did. The check and the write are one atomic step: two processes
+    /// starting on a new database at once seed it once, and never over a committed step.
+    fn seed_if_new(&self, state: &State) -> Result<bool, DbError>;
 
     /// Every run, oldest first.
     fn runs(&self) -> Result<Vec<RunRecord>, DbError>;
@@ -138,6 +212,46 @@ pub trait Backend: Send + Sync {
 
     /// Bytes of journal records a run wrote (as JSON).
     fn journal_bytes(&self, run_id: &str) -> Result<u64, DbError>;
+}
+
+/// Opens the database `db` names: a `postgres://` (or `postgresql://`) URL, or else a
+/// SQLite file. `create`: whether a missing SQLite file may be created (commands that only
+/// read or finish runs never create one). `durability`: see [`Durability`] and
+/// [`PostgresBackend::open_durable`].
+pub fn open(db: &str, durability: Durability, create: bool) -> Result<Arc<dyn Backend>, DbError> {
+    if postgres::is_postgres_url(db) {
+        return Ok(Arc::new(PostgresBackend::open_durable(db, durability)?));
+    }
+    let path = Path::new(db);
+    Ok(Arc::new(if create {
+        SqliteBackend::open(path, durability)?
+    } else {
+        SqliteBackend::open_existing(path, durability)?
+    }))
+}
+
+/// A stored document: namespace, key, canonical text (None once deleted), the version of
+/// the commit that wrote it.
+pub(crate) type DocRow = (String, String, Option<String>, u64);
+
+/// Brings `state` up to `version` with the documents written since its own version, in
+/// version order, applied commit by commit. The state then takes `version` itself, so that
+/// a commit that wrote no document never makes a later catch-up skip another's.
+pub(crate) fn apply_commits(state: &mut State, rows: &[DocRow], version: u64) {
+    for commit in rows.chunk_by(|a, b| a.3 == b.3) {
+        let writes: Vec<(&str, &str, Option<std::sync::Arc<str>>)> = commit
+            .iter()
+            .map(|(ns, key, body, _)| (ns.as_str(), key.as_str(), body.as_deref().map(Into::into)))
+            .collect();
+        state.apply(commit[0].3, writes.iter().map(|(ns, key, body)| (*ns, *key, body.as_ref())));
+    }
+    state.apply(version, std::iter::empty());
+}
+
+/// Whether `events` must be written at once: a run's first and last events. Events that
+/// change no state otherwise wait for the next commit.
+fn write_at_once(events: &[Event]) -> bool {
+    events.iter().any(|e| matches!(e.event, EventKind::SagaStarted | EventKind::SagaResumed | EventKind::SagaFinished))
 }
 
 /// The status a run ends with, when `event` ends it.

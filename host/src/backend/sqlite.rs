@@ -23,8 +23,11 @@ use std::time::Duration;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 use serde_json::Value;
 
-use super::{Backend, CommitError, DbError, RegisterError, RunRecord, finished_status, lock, now_ms};
-use crate::saga::journal::{Event, EventKind};
+use super::{
+    Backend, CommitError, DbError, RegisterError, RunRecord, apply_commits, finished_status, lock, now_ms,
+    this_process, write_at_once,
+};
+use crate::saga::journal::Event;
 use crate::store::{Change, State, Txn};
 
 /// How hard commits push to disk.
@@ -53,6 +56,46 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS events (
     run_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq)) WITHOUT ROWID;
 ";
+
+/// What each later schema version adds (`meta.schema` says which a database has).
+const MIGRATIONS: &[&str] = &[
+    // 2: run owners and their leases, for workers (`sagabox worker`).
+    "ALTER TABLE runs ADD COLUMN owner TEXT NOT NULL DEFAULT '';
+     ALTER TABLE runs ADD COLUMN lease_until_ms INTEGER;
+     CREATE INDEX runs_by_status ON runs (status, started_ms);",
+];
+
+/// The columns of a run, in [`run_from_row`]'s order.
+const RUN_COLUMNS: &str =
+    "run_id, saga, saga_path, definition, input, seed, status, pid, owner, lease_until_ms, started_ms, finished_ms";
+
+fn run_from_row(r: &rusqlite::Row) -> rusqlite::Result<RunRecord> {
+    Ok(RunRecord {
+        run_id: r.get(0)?,
+        saga: r.get(1)?,
+        saga_path: r.get(2)?,
+        definition: r.get(3)?,
+        input: serde_json::from_str(&r.get::<_, String>(4)?).unwrap_or(Value::Null),
+        seed: r.get::<_, i64>(5)? as u64,
+        status: r.get(6)?,
+        pid: r.get(7)?,
+        owner: r.get(8)?,
+        lease_until_ms: r.get::<_, Option<i64>>(9)?.map(|v| v as u64),
+        started_ms: r.get::<_, i64>(10)? as u64,
+        finished_ms: r.get::<_, Option<i64>>(11)?.map(|v| v as u64),
+    })
+}
+
+/// Brings the schema to the newest version, in one transaction.
+fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let version: i64 = tx.query_row("SELECT value FROM meta WHERE name = 'schema'", [], |r| r.get(0))?;
+    for (n, sql) in MIGRATIONS.iter().enumerate().skip((version - 1).max(0) as usize) {
+        tx.execute_batch(sql)?;
+        tx.execute("UPDATE meta SET value = ?1 WHERE name = 'schema'", params![n as i64 + 2])?;
+    }
+    tx.commit()
+}
 
 /// The SQLite backend.
 pub struct SqliteBackend {
@@ -137,7 +180,7 @@ impl SqliteBackend {
         if !create {
             flags.remove(OpenFlags::SQLITE_OPEN_CREATE);
         }
-        let conn = Connection::open_with_flags(path, flags).map_err(fail)?;
+        let mut conn = Connection::open_with_flags(path, flags).map_err(fail)?;
         conn.busy_timeout(Duration::from_secs(30)).map_err(fail)?;
         if !create && !has_schema(&conn).map_err(fail)? {
             return Err(DbError { db: path.display().to_string(), error: "not a sagabox database".into() });
@@ -149,6 +192,7 @@ impl SqliteBackend {
         };
         conn.pragma_update(None, "synchronous", sync).map_err(fail)?;
         conn.execute_batch(SCHEMA).map_err(fail)?;
+        migrate(&mut conn).map_err(fail)?;
         let backend = SqliteBackend {
             path: path.to_path_buf(),
             conn: Mutex::new(conn),
@@ -237,20 +281,13 @@ impl SqliteBackend {
                         r.get::<_, String>(0)?,
                         r.get::<_, String>(1)?,
                         r.get::<_, Option<String>>(2)?,
-                        r.get::<_, i64>(3)?,
+                        r.get::<_, i64>(3)? as u64,
                     ))
                 })
                 .map_err(|e| self.error(e))?
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| self.error(e))?;
-            for commit in rows.chunk_by(|a, b| a.3 == b.3) {
-                let writes: Vec<(&str, &str, Option<std::sync::Arc<str>>)> = commit
-                    .iter()
-                    .map(|(ns, key, body, _)| (ns.as_str(), key.as_str(), body.as_deref().map(Into::into)))
-                    .collect();
-                state.apply(commit[0].3 as u64, writes.iter().map(|(ns, key, body)| (*ns, *key, body.as_ref())));
-            }
-            state.apply(version, std::iter::empty());
+            apply_commits(&mut state, &rows, version);
         }
         *lock(&self.data_version) = seen;
         Ok(version)
@@ -270,29 +307,6 @@ impl SqliteBackend {
             tx.commit().map_err(|e| self.error(e))?;
         }
         self.reload()
-    }
-
-    /// Seeds the database with `state` if it is new; returns whether it did. The check and
-    /// the seed are one transaction: two processes starting on a new database at once seed
-    /// it once, and never over a step the other committed.
-    pub fn seed_if_new(&self, state: &State) -> Result<bool, DbError> {
-        {
-            let mut conn = lock(&self.conn);
-            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.error(e))?;
-            if !is_new(&tx).map_err(|e| self.error(e))? {
-                return Ok(false);
-            }
-            write_seed(&tx, state).map_err(|e| self.error(e))?;
-            tx.commit().map_err(|e| self.error(e))?;
-        }
-        self.reload()?;
-        Ok(true)
-    }
-
-    /// The state as the database holds it now.
-    pub fn current_state(&self) -> Result<State, DbError> {
-        let conn = lock(&self.conn);
-        self.read_state(&conn)
     }
 
     /// Writes the pending events, then `events`, in `tx`, and records run ends. Returns how
@@ -410,11 +424,7 @@ impl Backend for SqliteBackend {
     }
 
     fn record(&self, events: &[Event]) -> Result<(), CommitError> {
-        // Events that change no state wait for the next commit, except a run's first and last.
-        let urgent = events
-            .iter()
-            .any(|e| matches!(e.event, EventKind::SagaStarted | EventKind::SagaResumed | EventKind::SagaFinished));
-        if !urgent {
+        if !write_at_once(events) {
             lock(&self.pending).extend_from_slice(events);
             return Ok(());
         }
@@ -433,6 +443,29 @@ impl Backend for SqliteBackend {
         true
     }
 
+    fn name(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    fn current_state(&self) -> Result<State, DbError> {
+        let conn = lock(&self.conn);
+        self.read_state(&conn)
+    }
+
+    fn seed_if_new(&self, state: &State) -> Result<bool, DbError> {
+        {
+            let mut conn = lock(&self.conn);
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.error(e))?;
+            if !is_new(&tx).map_err(|e| self.error(e))? {
+                return Ok(false);
+            }
+            write_seed(&tx, state).map_err(|e| self.error(e))?;
+            tx.commit().map_err(|e| self.error(e))?;
+        }
+        self.reload()?;
+        Ok(true)
+    }
+
     fn cached(&self, key: &str) -> Option<Value> {
         let conn = lock(&self.conn);
         self.cached_in(&conn, key).unwrap_or_else(|e| {
@@ -443,8 +476,8 @@ impl Backend for SqliteBackend {
 
     fn register_run(&self, run: &RunRecord) -> Result<(), RegisterError> {
         let inserted = lock(&self.conn).execute(
-            "INSERT INTO runs (run_id, saga, saga_path, definition, input, seed, status, pid, started_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'running', ?7, ?8)",
+            "INSERT INTO runs (run_id, saga, saga_path, definition, input, seed, status, pid, owner, lease_until_ms, started_ms)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
             params![
                 run.run_id,
                 run.saga,
@@ -452,7 +485,10 @@ impl Backend for SqliteBackend {
                 run.definition,
                 run.input.to_string(),
                 run.seed as i64,
+                run.status,
                 run.pid,
+                run.owner,
+                run.lease_until_ms.map(|t| t as i64),
                 now_ms() as i64
             ],
         );
@@ -465,40 +501,61 @@ impl Backend for SqliteBackend {
         }
     }
 
-    fn adopt_run(&self, run_id: &str, seen_pid: u32) -> Result<bool, DbError> {
+    fn adopt_run(&self, run_id: &str, seen: &RunRecord, lease_until_ms: u64) -> Result<bool, DbError> {
         let changed = lock(&self.conn)
             .execute(
-                "UPDATE runs SET pid = ?1 WHERE run_id = ?2 AND pid = ?3 AND status = 'running'",
-                params![std::process::id(), run_id, seen_pid],
+                "UPDATE runs SET pid = ?1, owner = ?2, lease_until_ms = ?3
+                 WHERE run_id = ?4 AND owner = ?5 AND pid = ?6 AND status = 'running'",
+                params![std::process::id(), this_process(), lease_until_ms as i64, run_id, seen.owner, seen.pid],
             )
             .map_err(|e| self.error(e))?;
         Ok(changed == 1)
     }
 
+    fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError> {
+        let mut conn = lock(&self.conn);
+        let mut claim = || -> rusqlite::Result<Vec<RunRecord>> {
+            // Under the write lock: no other process takes the same runs.
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let ids: Vec<String> = tx
+                .prepare(
+                    "SELECT run_id FROM runs
+                     WHERE status = 'queued' OR (status = 'running' AND lease_until_ms < ?1)
+                     ORDER BY started_ms, run_id LIMIT ?2",
+                )?
+                .query_map(params![now_ms as i64, limit as i64], |r| r.get(0))?
+                .collect::<Result<_, _>>()?;
+            let mut runs = Vec::with_capacity(ids.len());
+            for id in &ids {
+                tx.execute(
+                    "UPDATE runs SET status = 'running', pid = ?1, owner = ?2, lease_until_ms = ?3 WHERE run_id = ?4",
+                    params![std::process::id(), this_process(), lease_until_ms as i64, id],
+                )?;
+                let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?1");
+                runs.push(tx.query_row(&sql, params![id], run_from_row)?);
+            }
+            tx.commit()?;
+            Ok(runs)
+        };
+        claim().map_err(|e| self.error(e))
+    }
+
+    fn renew_leases(&self, lease_until_ms: u64) -> Result<u64, DbError> {
+        lock(&self.conn)
+            .execute(
+                "UPDATE runs SET lease_until_ms = ?1 WHERE owner = ?2 AND status = 'running'",
+                params![lease_until_ms as i64, this_process()],
+            )
+            .map(|n| n as u64)
+            .map_err(|e| self.error(e))
+    }
+
     fn runs(&self) -> Result<Vec<RunRecord>, DbError> {
         let conn = lock(&self.conn);
         let mut stmt = conn
-            .prepare(
-                "SELECT run_id, saga, saga_path, definition, input, seed, status, pid, started_ms, finished_ms
-                 FROM runs ORDER BY started_ms, run_id",
-            )
+            .prepare(&format!("SELECT {RUN_COLUMNS} FROM runs ORDER BY started_ms, run_id"))
             .map_err(|e| self.error(e))?;
-        let rows = stmt
-            .query_map([], |r| {
-                Ok(RunRecord {
-                    run_id: r.get(0)?,
-                    saga: r.get(1)?,
-                    saga_path: r.get(2)?,
-                    definition: r.get(3)?,
-                    input: serde_json::from_str(&r.get::<_, String>(4)?).unwrap_or(Value::Null),
-                    seed: r.get::<_, i64>(5)? as u64,
-                    status: r.get(6)?,
-                    pid: r.get(7)?,
-                    started_ms: r.get::<_, i64>(8)? as u64,
-                    finished_ms: r.get::<_, Option<i64>>(9)?.map(|v| v as u64),
-                })
-            })
-            .map_err(|e| self.error(e))?;
+        let rows = stmt.query_map([], run_from_row).map_err(|e| self.error(e))?;
         rows.collect::<Result<_, _>>().map_err(|e| self.error(e))
     }
 
@@ -543,6 +600,7 @@ impl SqliteBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::saga::journal::EventKind;
     use crate::store::WriteQuota;
     use serde_json::json;
 
@@ -571,39 +629,6 @@ mod tests {
         assert_eq!(again.cached("k"), Some(json!({"ok": true})));
     }
 
-    #[test]
-    fn two_connections_never_lose_an_update() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("db.sqlite");
-        let a = SqliteBackend::open(&path, Durability::Normal).unwrap();
-        a.seed(&state()).unwrap();
-        let b = SqliteBackend::open(&path, Durability::Normal).unwrap();
-        let mut from_a = Txn::new(a.snapshot(), WriteQuota::default());
-        let mut from_b = Txn::new(b.snapshot(), WriteQuota::default());
-        from_a.get("pools", "p");
-        from_b.get("pools", "p");
-        from_a.put("pools", "p", r#"{"allocated":1}"#).unwrap();
-        from_b.put("pools", "p", r#"{"allocated":2}"#).unwrap();
-        a.commit(&from_a, None, &[]).unwrap();
-        assert!(matches!(b.commit(&from_b, None, &[]), Err(CommitError::Conflict(_))));
-        // b catches up and sees a's write.
-        assert_eq!(&*b.snapshot().get("pools", "p").unwrap().text, r#"{"allocated":1}"#);
-        // Deletes and new keys reach it too, and both end at the state the database holds.
-        let mut more = Txn::new(a.snapshot(), WriteQuota::default());
-        more.delete("users", "u").unwrap();
-        more.put("orders", "o1", "{}").unwrap();
-        a.commit(&more, None, &[]).unwrap();
-        let seen = b.snapshot();
-        assert!(seen.namespace("users").is_none());
-        assert!(seen.get("orders", "o1").is_some());
-        assert_eq!(seen.digest(), a.current_state().unwrap().digest());
-        // b's next commit is validated against the caught-up state: no false conflict.
-        let mut after = Txn::new(b.snapshot(), WriteQuota::default());
-        after.get("orders", "o1");
-        after.put("orders", "o2", "{}").unwrap();
-        b.commit(&after, None, &[]).unwrap();
-    }
-
     fn open(path: &Path) -> SqliteBackend {
         SqliteBackend::open(path, Durability::Normal).unwrap()
     }
@@ -613,35 +638,8 @@ mod tests {
         serde_json::from_str::<Value>(&doc).unwrap()["allocated"].as_u64().unwrap()
     }
 
-    /// Adds `n` to the pool as a call would: read, modify, write, again on a conflict.
-    fn add(db: &SqliteBackend, n: u64) {
-        for _ in 0..5 {
-            let mut txn = Txn::new(db.snapshot(), WriteQuota::default());
-            let pool: Value = serde_json::from_str(&txn.get("pools", "p").unwrap()).unwrap();
-            let now = pool["allocated"].as_u64().unwrap();
-            txn.put("pools", "p", &json!({ "allocated": now + n }).to_string()).unwrap();
-            match db.commit(&txn, None, &[]) {
-                Ok(_) => return,
-                Err(CommitError::Conflict(_)) => continue,
-                Err(e) => panic!("{e}"),
-            }
-        }
-        panic!("kept conflicting");
-    }
-
     fn run_record(run_id: &str, pid: u32) -> RunRecord {
-        RunRecord {
-            run_id: run_id.into(),
-            saga: "s".into(),
-            saga_path: "s.json".into(),
-            definition: "{}".into(),
-            input: json!({}),
-            seed: 1,
-            status: "running".into(),
-            pid,
-            started_ms: 0,
-            finished_ms: None,
-        }
+        RunRecord { pid, ..RunRecord::starting(run_id, "s", "s.json", "{}".into(), &json!({}), 1) }
     }
 
     fn event(run_id: &str, seq: u64, kind: EventKind) -> Event {
@@ -649,25 +647,6 @@ mod tests {
         event.run_id = run_id.into();
         event.seq = seq;
         event
-    }
-
-    #[test]
-    fn a_commit_that_writes_nothing_never_hides_another_process_commit() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("db.sqlite");
-        let a = open(&path);
-        a.seed(&state()).unwrap();
-        let b = open(&path);
-        // a commits a read-only step (its journal records and nothing else)...
-        let mut read_only = Txn::new(a.snapshot(), WriteQuota::default());
-        read_only.get("pools", "p");
-        a.commit(&read_only, None, &[event("ra", 0, EventKind::StepCompleted)]).unwrap();
-        // ...b allocates 5, and then a allocates 10 on top of what it sees.
-        add(&b, 5);
-        add(&a, 10);
-        assert_eq!(allocated(&a), 15, "an update was lost");
-        assert_eq!(a.snapshot().digest(), a.current_state().unwrap().digest());
-        assert_eq!(b.snapshot().digest(), a.current_state().unwrap().digest());
     }
 
     #[test]
@@ -693,19 +672,6 @@ mod tests {
     }
 
     #[test]
-    fn only_one_process_adopts_a_run() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("db.sqlite");
-        let (a, b) = (open(&path), open(&path));
-        a.register_run(&run_record("r", 4_000_000)).unwrap();
-        // Both saw the dead process 4000000 running it; only the first takes it over.
-        assert!(a.adopt_run("r", 4_000_000).unwrap());
-        assert!(!b.adopt_run("r", 4_000_000).unwrap());
-        assert_eq!(a.runs().unwrap()[0].pid, std::process::id());
-        assert!(!a.adopt_run("missing", 4_000_000).unwrap());
-    }
-
-    #[test]
     fn a_journal_record_is_never_overwritten() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("db.sqlite");
@@ -720,26 +686,6 @@ mod tests {
         txn.put("pools", "q", "{}").unwrap();
         b.commit(&txn, None, &[event("other", 1, EventKind::StepCompleted)]).unwrap();
         assert_eq!(b.events("other").unwrap().len(), 2);
-    }
-
-    #[test]
-    fn a_second_commit_under_one_key_writes_nothing_and_returns_the_first_output() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("db.sqlite");
-        let a = open(&path);
-        a.seed(&state()).unwrap();
-        let b = open(&path);
-        // Both deliveries of the same call ran before either committed.
-        let mut first = Txn::new(a.snapshot(), WriteQuota::default());
-        let mut second = Txn::new(b.snapshot(), WriteQuota::default());
-        first.put("allocations", "A1", r#"{"n":1}"#).unwrap();
-        second.put("allocations", "A1", r#"{"n":2}"#).unwrap();
-        a.commit(&first, Some(("k", &json!({"n": 1}))), &[event("r", 0, EventKind::StepCompleted)]).unwrap();
-        let err = b.commit(&second, Some(("k", &json!({"n": 2}))), &[event("r2", 0, EventKind::StepCompleted)]);
-        assert!(matches!(&err, Err(CommitError::AlreadyCommitted(v)) if *v == json!({"n": 1})), "{err:?}");
-        assert_eq!(&*a.current_state().unwrap().get("allocations", "A1").unwrap().text, r#"{"n":1}"#);
-        assert_eq!(b.cached("k"), Some(json!({"n": 1})));
-        assert!(b.events("r2").unwrap().is_empty());
     }
 
     #[test]

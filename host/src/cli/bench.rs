@@ -9,7 +9,7 @@ use serde_json::json;
 
 use std::sync::Arc;
 
-use sagabox::backend::{Backend, Durability, MemoryBackend, SqliteBackend};
+use sagabox::backend::MemoryBackend;
 use sagabox::runtime::{CallContext, CallOptions, EngineOptions, Runtime, RuntimeOptions};
 use sagabox::saga::{self, RunOptions, Saga, Status};
 use sagabox::store::generate::{self, Scale};
@@ -245,6 +245,10 @@ pub struct Args {
     /// [default: all of these], and peers (only when named: it sets up a Python venv from PyPI).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// A PostgreSQL server for the durable group's PostgreSQL rows (each measurement in a
+    /// schema of its own, dropped after).
+    #[arg(long, value_name = "URL", env = "SAGABOX_PG_URL")]
+    pg_url: Option<String>,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -315,30 +319,9 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
         }
     }
     if wants("durable") {
-        let (saga, state, input) = shipped_saga(&runtime, &args.sagas_dir, "ct1-payment-failure")?;
-        let saga = Arc::new(saga);
-        for durability in [Durability::Normal, Durability::Full] {
-            let dir = tempfile_dir()?;
-            let db = Arc::new(SqliteBackend::open(&dir.join("bench.db"), durability)?);
-            db.seed(&state)?;
-            let sagas = (args.sagas / 10).max(100);
-            let started = Instant::now();
-            for i in 0..sagas {
-                let report =
-                    saga::run(&runtime, &saga, db.as_ref(), RunOptions::new(format!("d{i}"), input.clone())).await;
-                if report.status != Status::Failed {
-                    anyhow::bail!("durable ct1 ended {:?}: {:?}", report.status, report.error);
-                }
-            }
-            let per_second = sagas as f64 / started.elapsed().as_secs_f64();
-            let bytes = db.journal_bytes("d0")?;
-            rates.push((
-                format!("durable ct1 sagas/s, synchronous={durability:?} (journal {bytes} bytes/saga)"),
-                per_second,
-            ));
-            drop(db);
-            std::fs::remove_dir_all(&dir)?;
-        }
+        let durable = super::bench_durable::run(&runtime, &args.sagas_dir, args.sagas, args.pg_url.as_deref()).await?;
+        results.extend(durable.latencies);
+        rates.extend(durable.rates);
     }
     if wants("snapshot") {
         for mb in &args.sizes_mb {

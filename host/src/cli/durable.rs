@@ -4,9 +4,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
-use sagabox::backend::{Backend, Durability, SqliteBackend};
-use sagabox::saga::session::{self, SESSION_SOURCE};
-use sagabox::saga::{self, RunOptions, Saga, Status};
+use std::sync::Arc;
+
+use sagabox::backend::{self, Backend, Durability, RunRecord};
+use sagabox::durable::{DEFAULT_LEASE, Heartbeat, Work, holder_alive, now_ms};
+use sagabox::saga::{self, session};
 use sagabox::store::{State, fixture};
 
 use super::run::print_summary;
@@ -15,19 +17,35 @@ use super::{Outcome, PluginArgs};
 /// Where a durable run keeps everything.
 #[derive(clap::Args, Clone)]
 pub struct DbArgs {
-    /// The SQLite database (it must exist: `sagabox run --db` creates it).
-    #[arg(long, value_name = "FILE")]
-    pub db: PathBuf,
-    /// normal: survives a killed process (WAL, synchronous=NORMAL); full: also power loss
-    /// (an fsync per commit).
+    /// The database: a SQLite file (it must exist: `sagabox run --db` creates it) or a
+    /// postgres://user@host/db URL.
+    #[arg(long, value_name = "FILE|URL")]
+    pub db: String,
+    /// normal: survives a killed process (SQLite: WAL, synchronous=NORMAL; PostgreSQL:
+    /// synchronous_commit=off); full: also power loss or a crashed server (a flush per commit).
     #[arg(long, value_enum, default_value = "normal")]
     pub durability: Durability,
 }
 
 impl DbArgs {
-    pub fn open(&self) -> anyhow::Result<SqliteBackend> {
-        Ok(SqliteBackend::open_existing(&self.db, self.durability)?)
+    pub fn open(&self) -> anyhow::Result<Arc<dyn Backend>> {
+        Ok(backend::open(&self.db, self.durability, false)?)
     }
+}
+
+/// Opens (or creates) the database `db` for a command that starts runs, and seeds it with
+/// `state` if it is new. `state_given`: the user gave `--state`, which only seeds a new one.
+pub fn open_seeded(
+    db: &str,
+    durability: Durability,
+    state: &State,
+    state_given: bool,
+) -> anyhow::Result<Arc<dyn Backend>> {
+    let backend = backend::open(db, durability, true)?;
+    if !backend.seed_if_new(state)? && state_given {
+        anyhow::bail!("{} already holds a state; --state only seeds a new database", backend.name());
+    }
+    Ok(backend)
 }
 
 #[derive(clap::Args)]
@@ -48,8 +66,11 @@ pub struct ResumeArgs {
 pub struct RunsArgs {
     #[command(flatten)]
     db: DbArgs,
-    #[arg(long)]
+    #[arg(long, conflicts_with = "watch")]
     json: bool,
+    /// Show the queue and the unfinished runs, refreshed every second, until Ctrl-C.
+    #[arg(long)]
+    watch: bool,
 }
 
 #[derive(clap::Args)]
@@ -67,9 +88,9 @@ pub struct JournalArgs {
 
 #[derive(clap::Args)]
 pub struct StateArgs {
-    /// Read a database...
-    #[arg(long, value_name = "FILE", conflicts_with = "state", required_unless_present = "state")]
-    db: Option<PathBuf>,
+    /// Read a database (a SQLite file or a postgres:// URL)...
+    #[arg(long, value_name = "FILE|URL", conflicts_with = "state", required_unless_present = "state")]
+    db: Option<String>,
     /// ...or a fixture file or directory.
     #[arg(long, value_name = "FIXTURE")]
     state: Option<PathBuf>,
@@ -78,30 +99,10 @@ pub struct StateArgs {
     digest: bool,
 }
 
-/// Whether process `pid` is alive on this machine.
-fn alive(pid: u32) -> bool {
-    #[cfg(unix)]
-    {
-        // 0 and negative pids name process groups or every process for kill(2): never a run's.
-        let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
-        if pid <= 0 || pid as u32 == std::process::id() {
-            return false;
-        }
-        // SAFETY: signal 0 only checks that the process exists.
-        let found = unsafe { libc::kill(pid, 0) } == 0;
-        // EPERM: it exists, under another user.
-        found || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = pid;
-        false
-    }
-}
-
 pub async fn resume(plugin_args: &PluginArgs, args: ResumeArgs) -> anyhow::Result<Outcome> {
     let runtime = plugin_args.load().await?;
     let db = args.db.open()?;
+    let _heartbeat = Heartbeat::start(Arc::clone(&db), DEFAULT_LEASE);
     let runs: Vec<_> = db
         .runs()?
         .into_iter()
@@ -110,59 +111,44 @@ pub async fn resume(plugin_args: &PluginArgs, args: ResumeArgs) -> anyhow::Resul
     if let Some(id) = &args.run_id
         && runs.is_empty()
     {
-        anyhow::bail!(
-            "{}: no unfinished run '{id}' (see `sagabox runs --db {}`)",
-            args.db.db.display(),
-            args.db.db.display()
-        );
+        anyhow::bail!("{}: no unfinished run '{id}' (see `sagabox runs --db {}`)", db.name(), db.name());
     }
-    let mut all_completed = true;
+    let mut all_succeeded = true;
     let mut cannot = Vec::new();
     for record in runs {
-        if alive(record.pid) && !args.force {
-            eprintln!("skipping run {}: its process {} is still alive (use --force)", record.run_id, record.pid);
-            continue;
-        }
-        if record.saga_path == SESSION_SOURCE {
-            // An agent's session: its client cannot come back, so its transaction is undone.
-            if !db.adopt_run(&record.run_id, record.pid)? {
-                eprintln!("skipping session {}: another process took it over", record.run_id);
-                continue;
-            }
-            let mut options = RunOptions::new(record.run_id.clone(), record.input.clone());
-            options.resume = db.events(&record.run_id)?;
-            let report = session::abort_interrupted(&runtime, &db, &record.saga, options).await;
-            // A session's resume succeeds when everything was undone.
-            all_completed &= report.compensation_failures.is_empty();
-            report_run(&report, args.json)?;
+        if holder_alive(&record, now_ms()) && !args.force {
+            eprintln!("skipping run {}: its holder {} is still alive (use --force)", record.run_id, holder(&record));
             continue;
         }
         // A run that cannot be rebuilt (its saga no longer validates against the loaded
         // plugins) is reported; the others are still resumed.
-        let saga = match Saga::from_text(&record.definition, Path::new(&record.saga_path), &runtime) {
-            Ok(saga) => saga,
+        let work = match Work::of(&runtime, &record) {
+            Ok(work) => work,
             Err(e) => {
-                eprintln!("error: cannot resume run {}: {e}", record.run_id);
+                eprintln!("error: {e}");
                 cannot.push(record.run_id);
                 continue;
             }
         };
-        // Another resume may have taken it since we listed the runs: only one runs it.
-        if !db.adopt_run(&record.run_id, record.pid)? {
+        // Another resume (or a worker) may have taken it since we listed the runs: only one
+        // runs it.
+        if !db.adopt_run(&record.run_id, &record, now_ms() + DEFAULT_LEASE.as_millis() as u64)? {
             eprintln!("skipping run {}: another process took it over", record.run_id);
             continue;
         }
-        let mut options = RunOptions::new(record.run_id.clone(), record.input.clone());
-        options.seed = record.seed;
-        options.resume = db.events(&record.run_id)?;
-        let report = saga::run(&runtime, &saga, &db, options).await;
-        all_completed &= report.status == Status::Completed;
+        let report = work.finish(&runtime, &*db, &record).await?;
+        all_succeeded &= work.succeeded(&report);
         report_run(&report, args.json)?;
     }
     if !cannot.is_empty() {
         anyhow::bail!("{} run(s) left unfinished: {}", cannot.len(), cannot.join(", "));
     }
-    Ok(if all_completed { Outcome::Success } else { Outcome::Failure })
+    Ok(if all_succeeded { Outcome::Success } else { Outcome::Failure })
+}
+
+/// Who holds a run, for messages.
+fn holder(run: &RunRecord) -> String {
+    if run.owner.is_empty() { format!("process {}", run.pid) } else { run.owner.clone() }
 }
 
 fn report_run(report: &saga::RunReport, json: bool) -> anyhow::Result<()> {
@@ -174,21 +160,32 @@ fn report_run(report: &saga::RunReport, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn runs(args: RunsArgs) -> anyhow::Result<Outcome> {
+pub async fn runs(args: RunsArgs) -> anyhow::Result<Outcome> {
     let db = args.db.open()?;
+    if args.watch {
+        return watch(&*db).await;
+    }
     let runs = db.runs()?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&runs)?);
         return Ok(Outcome::Success);
     }
     let mut table = Table::new();
-    table.load_preset(UTF8_BORDERS_ONLY).set_header(["run", "saga", "status", "started (unix ms)", "journal bytes"]);
+    table.load_preset(UTF8_BORDERS_ONLY).set_header([
+        "run",
+        "saga",
+        "status",
+        "held by",
+        "started (unix ms)",
+        "journal bytes",
+    ]);
     for run in &runs {
         let bytes = db.journal_bytes(&run.run_id)?;
         table.add_row([
             run.run_id.clone(),
             run.saga.clone(),
             run.status.clone(),
+            if run.status == "running" { holder(run) } else { String::new() },
             run.started_ms.to_string(),
             bytes.to_string(),
         ]);
@@ -197,14 +194,41 @@ pub fn runs(args: RunsArgs) -> anyhow::Result<Outcome> {
     Ok(Outcome::Success)
 }
 
+/// `runs --watch`: how many runs are in each state, and who holds the unfinished ones.
+async fn watch(db: &dyn Backend) -> anyhow::Result<Outcome> {
+    loop {
+        let runs = db.runs()?;
+        let now = now_ms();
+        let mut counts = std::collections::BTreeMap::<&str, usize>::new();
+        for run in &runs {
+            *counts.entry(run.status.as_str()).or_default() += 1;
+        }
+        let mut table = Table::new();
+        table.load_preset(UTF8_BORDERS_ONLY).set_header(["run", "saga", "status", "held by", "lease left"]);
+        for run in runs.iter().filter(|r| r.status == "queued" || r.status == "running").take(40) {
+            let lease =
+                run.lease_until_ms.map_or(String::new(), |t| format!("{:.1}s", (t as f64 - now as f64) / 1000.0));
+            let held = if run.status == "running" { holder(run) } else { String::new() };
+            table.add_row([run.run_id.clone(), run.saga.clone(), run.status.clone(), held, lease]);
+        }
+        let summary: Vec<String> = counts.iter().map(|(status, n)| format!("{status} {n}")).collect();
+        // Clear the screen, then draw.
+        print!("\x1b[2J\x1b[H{} — {} runs: {}\n{table}\n", db.name(), runs.len(), summary.join(", "));
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_secs(1)) => {}
+            _ = tokio::signal::ctrl_c() => return Ok(Outcome::Success),
+        }
+    }
+}
+
 pub fn journal(args: JournalArgs) -> anyhow::Result<Outcome> {
     let db = args.db.open()?;
     let events = db.events(&args.run_id)?;
     if events.is_empty() && !db.runs()?.iter().any(|r| r.run_id == args.run_id) {
-        anyhow::bail!("{}: no run '{}'", args.db.db.display(), args.run_id);
+        anyhow::bail!("{}: no run '{}'", db.name(), args.run_id);
     }
     if let Some(path) = &args.as_saga {
-        return export_saga(&db, &args.run_id, &events, path);
+        return export_saga(&*db, &args.run_id, &events, path);
     }
     for event in events {
         println!("{}", serde_json::to_string(&event)?);
@@ -214,7 +238,7 @@ pub fn journal(args: JournalArgs) -> anyhow::Result<Outcome> {
 
 /// `journal --as-saga`: the run as a saga file and its fixture.
 fn export_saga(
-    db: &SqliteBackend,
+    db: &dyn Backend,
     run_id: &str,
     events: &[saga::journal::Event],
     path: &Path,
@@ -237,7 +261,7 @@ fn export_saga(
 
 pub fn state(args: StateArgs) -> anyhow::Result<Outcome> {
     let state: State = match (&args.db, &args.state) {
-        (Some(db), _) => SqliteBackend::open_existing(db, Durability::Normal)?.current_state()?,
+        (Some(db), _) => backend::open(db, Durability::Normal, false)?.current_state()?,
         (None, Some(path)) => fixture::load(path)?,
         (None, None) => anyhow::bail!("give --db FILE or --state FIXTURE"),
     };

@@ -5,11 +5,13 @@
 //! command could not run (bad arguments, unreadable or invalid input, plugin load failure).
 
 mod bench;
+mod bench_durable;
 mod call;
 mod durable;
 mod fixtures;
 mod new;
 mod plugins;
+mod queue;
 mod run;
 mod serve;
 mod serve_bench;
@@ -111,6 +113,10 @@ enum Command {
     Run(run::RunArgs),
     /// Finish the unfinished runs of a durable database (after a crash).
     Resume(durable::ResumeArgs),
+    /// Queue runs of a saga in a database, for workers; prints their ids.
+    Submit(queue::SubmitArgs),
+    /// Take queued runs (and runs whose holder died) from a database and run them.
+    Worker(queue::WorkerArgs),
     /// List the runs of a durable database.
     Runs(durable::RunsArgs),
     /// Print a run's journal from a durable database, as JSON Lines.
@@ -156,7 +162,9 @@ pub fn main() -> ExitCode {
             Command::Run(args) => run::run(&cli.plugins, args).await,
             Command::Validate(args) => run::validate(&cli.plugins, args).await,
             Command::Resume(args) => durable::resume(&cli.plugins, args).await,
-            Command::Runs(args) => durable::runs(args),
+            Command::Submit(args) => queue::submit(&cli.plugins, args).await,
+            Command::Worker(args) => queue::worker(&cli.plugins, args).await,
+            Command::Runs(args) => durable::runs(args).await,
             Command::Journal(args) => durable::journal(args),
             Command::State(args) => durable::state(args),
             Command::Verify(args) => verify::run(&cli.plugins, args).await,

@@ -4,7 +4,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context as _, bail};
-use sagabox::backend::{Backend, Durability, MemoryBackend, RegisterError, RunRecord, SqliteBackend};
+use sagabox::backend::{Backend, Durability, MemoryBackend, RegisterError, RunRecord};
+use sagabox::durable::{DEFAULT_LEASE, Heartbeat};
 use sagabox::saga::journal::JsonLinesFile;
 use sagabox::saga::{self, Fault, FaultPlan, Phase, RunOptions, RunReport, Saga, Status};
 use sagabox::store::{State, fixture};
@@ -52,12 +53,14 @@ pub struct RunArgs {
     #[arg(long)]
     json: bool,
 
-    /// Keep the state and the journal in this SQLite database, so that a crashed run can be
-    /// resumed (`sagabox resume`). A new database is seeded from the saga's fixture (or --state).
-    #[arg(long, value_name = "FILE")]
-    db: Option<PathBuf>,
+    /// Keep the state and the journal in this database (a SQLite file, or a postgres://
+    /// URL), so that a crashed run can be resumed (`sagabox resume`). A new database is
+    /// seeded from the saga's fixture (or --state).
+    #[arg(long, value_name = "FILE|URL")]
+    db: Option<String>,
 
-    /// With --db: normal survives a killed process; full also survives power loss.
+    /// With --db: normal survives a killed process; full also survives power loss (or, on
+    /// PostgreSQL, a crashed server).
     #[arg(long, value_enum, default_value = "normal", requires = "db")]
     durability: Durability,
 }
@@ -142,17 +145,14 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
             let report = saga::run(&runtime, &saga, &backend, options).await;
             (report, backend.store.snapshot())
         }
-        Some(path) => {
-            let db = SqliteBackend::open(path, args.durability)?;
-            if !db.seed_if_new(&state)? && args.state.is_some() {
-                bail!("{} already holds a state; --state only seeds a new database", path.display());
-            }
+        Some(url) => {
+            let db = super::durable::open_seeded(url, args.durability, &state, args.state.is_some())?;
+            let _heartbeat = Heartbeat::start(Arc::clone(&db), DEFAULT_LEASE);
             let unfinished = db.runs()?.iter().filter(|r| r.status == "running").count();
             if unfinished > 0 {
+                let name = db.name();
                 eprintln!(
-                    "note: {} holds {unfinished} unfinished run(s); `sagabox resume --db {}` finishes them",
-                    path.display(),
-                    path.display()
+                    "note: {name} holds {unfinished} unfinished run(s); `sagabox resume --db {name}` finishes them"
                 );
             }
             let definition =
@@ -162,10 +162,10 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
                 RunRecord::starting(&options.run_id, &saga.name, &saga_path, definition, &options.input, options.seed);
             let registered = db.register_run(&record);
             if let Err(RegisterError::Exists { run_id, .. }) = &registered {
-                bail!("{}", run_exists(&db, path, run_id));
+                bail!("{}", run_exists(&*db, run_id));
             }
             registered?;
-            let report = saga::run(&runtime, &saga, &db, options).await;
+            let report = saga::run(&runtime, &saga, &*db, options).await;
             let state = db.current_state()?;
             (report, state)
         }
@@ -183,8 +183,8 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
 }
 
 /// Why a run id cannot be used again, and what to do instead.
-fn run_exists(db: &SqliteBackend, path: &Path, run_id: &str) -> String {
-    let db_path = path.display();
+fn run_exists(db: &dyn Backend, run_id: &str) -> String {
+    let db_path = db.name();
     let status = db.runs().ok().and_then(|runs| runs.into_iter().find(|r| r.run_id == run_id)).map(|r| r.status);
     match status.as_deref() {
         Some("running") | None => format!(

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
-use sagabox::backend::{Backend, Durability, MemoryBackend, SqliteBackend};
+use sagabox::backend::{Backend, Durability, MemoryBackend};
+use sagabox::durable::{DEFAULT_LEASE, Heartbeat};
 use sagabox::saga::definition::DurationSpec;
 use sagabox::saga::{self, Saga};
 use sagabox::serve::http::{self, HttpOptions};
@@ -37,12 +38,14 @@ pub struct Args {
     #[arg(long, value_name = "FIXTURE")]
     state: Option<PathBuf>,
 
-    /// Keep the state, the journal and every transaction in this SQLite database: after a
-    /// crash, `sagabox resume --db FILE` compensates the transactions left open.
-    #[arg(long, value_name = "FILE")]
-    db: Option<PathBuf>,
+    /// Keep the state, the journal and every transaction in this database (a SQLite file, or
+    /// a postgres:// URL that several servers share): after a crash, `sagabox resume --db
+    /// FILE|URL` compensates the transactions left open.
+    #[arg(long, value_name = "FILE|URL")]
+    db: Option<String>,
 
-    /// With --db: normal survives a killed process; full also survives power loss.
+    /// With --db: normal survives a killed process; full also survives power loss (or, on
+    /// PostgreSQL, a crashed server).
     #[arg(long, value_enum, default_value = "normal", requires = "db")]
     durability: Durability,
 
@@ -73,7 +76,7 @@ enum Policy {
     Keep,
 }
 
-fn parse_duration(text: &str) -> Result<Duration, String> {
+pub(crate) fn parse_duration(text: &str) -> Result<Duration, String> {
     serde_json::from_value::<DurationSpec>(serde_json::Value::String(text.to_string()))
         .map(|d| d.0)
         .map_err(|e| e.to_string())
@@ -93,14 +96,10 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
     // would keep every session's journal for as long as it runs.
     let (backend, register_runs): (Arc<dyn Backend>, _) = match &args.db {
         None => (Arc::new(MemoryBackend::new(state)), false),
-        Some(path) => {
-            let db = SqliteBackend::open(path, args.durability)?;
-            if !db.seed_if_new(&state)? && args.state.is_some() {
-                anyhow::bail!("{} already holds a state; --state only seeds a new database", path.display());
-            }
-            (Arc::new(db), true)
-        }
+        Some(url) => (super::durable::open_seeded(url, args.durability, &state, args.state.is_some())?, true),
     };
+    // The sessions it registers stay its own while it lives.
+    let _heartbeat = register_runs.then(|| Heartbeat::start(Arc::clone(&backend), DEFAULT_LEASE));
     let context = Context {
         runtime,
         backend,

@@ -1,0 +1,841 @@
+//! The PostgreSQL backend: the store, the idempotency result cache, the run registry and the
+//! journal in one PostgreSQL database, so that many sagabox processes on many machines
+//! share them.
+//!
+//! It keeps the guarantees of the SQLite backend. A call's writes, its cached result and
+//! the journal events that record it commit in one transaction. Commits are serialized by
+//! a row lock on the store's version counter (`meta`), under which a commit is validated
+//! against every commit before it, so concurrent processes never lose updates; it takes
+//! its version from that counter. Each process keeps the state in memory (an O(1)-snapshot
+//! [`State`]) and catches up by reading only the documents written since its version.
+//!
+//! The schema is created and migrated by sagabox itself ([`MIGRATIONS`], embedded in the
+//! binary, applied once under an advisory lock). Tables live in the connection's current
+//! schema, so `?options=-csearch_path%3Dname` in the URL gives a deployment (or a test) its
+//! own. Connections come from a `deadpool-postgres` pool; a query that fails because its
+//! connection broke (the server restarted, `pg_terminate_backend`) is retried on a new one.
+//!
+//! The trait is synchronous: each method runs its queries on this backend's own small tokio
+//! runtime, which drives the connections, and waits for them (the engine calls it off the
+//! async workers, see [`Backend::blocks`]).
+
+use std::future::Future;
+use std::sync::{Mutex, RwLock};
+use std::time::Duration;
+
+use deadpool_postgres::GenericClient;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use serde_json::Value;
+use tokio_postgres::NoTls;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+
+use super::sqlite::Durability;
+use super::{
+    Backend, CommitError, DbError, DocRow, RegisterError, RunRecord, apply_commits, finished_status, lock, now_ms,
+    this_process, write_at_once,
+};
+use crate::saga::journal::Event;
+use crate::store::{Change, State, Txn};
+
+/// The schema, one migration per version; a database records which it has applied
+/// (`sagabox_migrations`). Append, never edit: deployed databases hold the old ones.
+const MIGRATIONS: &[&str] = &[
+    "
+CREATE TABLE meta (name TEXT PRIMARY KEY, value BIGINT NOT NULL);
+INSERT INTO meta VALUES ('version', 0);
+-- Documents; a deleted one keeps its row with a NULL body, so other processes see the delete.
+CREATE TABLE docs (
+    ns TEXT NOT NULL, key TEXT NOT NULL, body TEXT, version BIGINT NOT NULL, PRIMARY KEY (ns, key));
+CREATE INDEX docs_by_version ON docs (version);
+CREATE TABLE namespaces (ns TEXT PRIMARY KEY, keys_version BIGINT NOT NULL);
+CREATE TABLE results (key TEXT PRIMARY KEY, run_id TEXT NOT NULL, output TEXT NOT NULL);
+CREATE TABLE runs (
+    run_id TEXT PRIMARY KEY, saga TEXT NOT NULL, saga_path TEXT NOT NULL, definition TEXT NOT NULL,
+    input TEXT NOT NULL, seed BIGINT NOT NULL, status TEXT NOT NULL, pid BIGINT NOT NULL,
+    started_ms BIGINT NOT NULL, finished_ms BIGINT);
+CREATE TABLE events (run_id TEXT NOT NULL, seq BIGINT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq));
+",
+    "
+-- Run owners and their leases, for workers (`sagabox worker`).
+ALTER TABLE runs ADD COLUMN owner TEXT NOT NULL DEFAULT '', ADD COLUMN lease_until_ms BIGINT;
+CREATE INDEX runs_by_status ON runs (status, started_ms);
+",
+];
+
+/// The columns of a run, in [`run_from_row`]'s order.
+const RUN_COLUMNS: &str =
+    "run_id, saga, saga_path, definition, input, seed, status, pid, owner, lease_until_ms, started_ms, finished_ms";
+
+/// How many times a query is tried when its connection breaks, and the first pause.
+const ATTEMPTS: u32 = 6;
+const FIRST_PAUSE: Duration = Duration::from_millis(25);
+
+/// Whether `url` names a PostgreSQL database (rather than a SQLite file).
+pub fn is_postgres_url(url: &str) -> bool {
+    url.starts_with("postgres://") || url.starts_with("postgresql://")
+}
+
+/// `url` with its password replaced by `***`, for messages.
+pub fn redact(url: &str) -> String {
+    let mut out = url.to_string();
+    if let Some(scheme_end) = out.find("://") {
+        let authority_start = scheme_end + 3;
+        let authority_end = out[authority_start..].find(['/', '?']).map_or(out.len(), |i| authority_start + i);
+        if let Some(at) = out[authority_start..authority_end].rfind('@').map(|i| authority_start + i)
+            && let Some(colon) = out[authority_start..at].find(':').map(|i| authority_start + i)
+        {
+            out.replace_range(colon + 1..at, "***");
+        }
+    }
+    // A password may also come as a query parameter.
+    if let Some(start) = out.find("password=").map(|i| i + "password=".len()) {
+        let end = out[start..].find('&').map_or(out.len(), |i| start + i);
+        out.replace_range(start..end, "***");
+    }
+    out
+}
+
+/// What a transaction attempt failed with.
+enum Failure {
+    /// The connection broke or the server asked to retry: the attempt may be repeated.
+    Transient(String),
+    /// Anything else, final.
+    Fatal(CommitError),
+}
+
+impl From<tokio_postgres::Error> for Failure {
+    fn from(e: tokio_postgres::Error) -> Failure {
+        if is_transient(&e) {
+            Failure::Transient(describe(&e))
+        } else {
+            Failure::Fatal(CommitError::Backend(describe(&e)))
+        }
+    }
+}
+
+impl From<CommitError> for Failure {
+    fn from(e: CommitError) -> Failure {
+        Failure::Fatal(e)
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for Failure {
+    fn from(e: deadpool_postgres::PoolError) -> Failure {
+        // Creating a connection fails the same way a broken one does.
+        match e {
+            deadpool_postgres::PoolError::Backend(e) => e.into(),
+            other => Failure::Transient(other.to_string()),
+        }
+    }
+}
+
+/// Errors that a new connection (or a new try) may not repeat.
+fn is_transient(e: &tokio_postgres::Error) -> bool {
+    if e.is_closed() {
+        return true;
+    }
+    match e.code() {
+        // Connection exceptions (class 08), the server shutting down or starting
+        // (pg_terminate_backend is ADMIN_SHUTDOWN), serialization failures and deadlocks.
+        Some(code) => {
+            code.code().starts_with("08")
+                || [
+                    SqlState::ADMIN_SHUTDOWN,
+                    SqlState::CRASH_SHUTDOWN,
+                    SqlState::CANNOT_CONNECT_NOW,
+                    SqlState::T_R_SERIALIZATION_FAILURE,
+                    SqlState::T_R_DEADLOCK_DETECTED,
+                ]
+                .contains(code)
+        }
+        // No server error: an I/O error (a reset connection, a refused connect).
+        None => std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>()),
+    }
+}
+
+/// The server's message with its detail, or the driver's.
+fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => match db.detail() {
+            Some(detail) => format!("{} ({detail})", db.message()),
+            None => db.message().to_string(),
+        },
+        None => match std::error::Error::source(e) {
+            Some(source) => format!("{e}: {source}"),
+            None => e.to_string(),
+        },
+    }
+}
+
+/// A transaction's writes as the columns of one `unnest` insert.
+struct Writes {
+    ns: Vec<String>,
+    keys: Vec<String>,
+    /// None: deleted (the row stays, so other processes see the delete).
+    bodies: Vec<Option<String>>,
+    /// Namespaces in which a key appeared or disappeared.
+    key_sets: Vec<String>,
+}
+
+impl Writes {
+    fn of(txn: &Txn, state: &State) -> Writes {
+        let mut writes = Writes { ns: Vec::new(), keys: Vec::new(), bodies: Vec::new(), key_sets: Vec::new() };
+        for (ns, key, text) in txn.writes() {
+            if state.get(ns, key).is_some() != text.is_some() && !writes.key_sets.iter().any(|n| n == ns) {
+                writes.key_sets.push(ns.to_string());
+            }
+            writes.ns.push(ns.to_string());
+            writes.keys.push(key.to_string());
+            writes.bodies.push(text.map(|t| t.to_string()));
+        }
+        writes
+    }
+}
+
+/// The PostgreSQL backend.
+pub struct PostgresBackend {
+    /// The URL with its password redacted, for messages.
+    name: String,
+    pool: Pool,
+    /// Drives the pool's connections; shut down in the background on drop, so that a
+    /// backend can be dropped inside another runtime.
+    runtime: Option<tokio::runtime::Runtime>,
+    /// The state as of the database's version `state.version()`.
+    state: RwLock<State>,
+    /// Events with no state change, written with the next commit (or at a run's start and end).
+    pending: Mutex<Vec<Event>>,
+}
+
+impl Drop for PostgresBackend {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl PostgresBackend {
+    /// Connects to the database at `url`, creating or migrating sagabox's tables, with the
+    /// server's own durability (`synchronous_commit` as the server sets it).
+    pub fn open(url: &str) -> Result<PostgresBackend, DbError> {
+        PostgresBackend::open_with(url, None)
+    }
+
+    /// [`PostgresBackend::open`] with commits as durable as `durability` says: `Full` waits
+    /// for the server's WAL flush (`synchronous_commit=on`); `Normal`, like SQLite's, does
+    /// not (`off`): a killed sagabox loses nothing, a crashed server may lose its last
+    /// commits, never half of one (the journal and the state stay one).
+    pub fn open_durable(url: &str, durability: Durability) -> Result<PostgresBackend, DbError> {
+        PostgresBackend::open_with(url, Some(durability))
+    }
+
+    fn open_with(url: &str, durability: Option<Durability>) -> Result<PostgresBackend, DbError> {
+        let name = redact(url);
+        let fail = |error: String| DbError { db: name.clone(), error };
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e| fail(format!("not a PostgreSQL URL: {e}")))?;
+        if let Some(durability) = durability {
+            let setting = match durability {
+                Durability::Normal => "off",
+                Durability::Full => "on",
+            };
+            let options = format!("{} -c synchronous_commit={setting}", config.get_options().unwrap_or_default());
+            config.options(options.trim());
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("sagabox-postgres")
+            .enable_all()
+            .build()
+            .map_err(|e| fail(format!("cannot start the connection runtime: {e}")))?;
+        let manager = Manager::from_config(config, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        let pool = Pool::builder(manager)
+            .max_size(8)
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .create_timeout(Some(Duration::from_secs(10)))
+            .wait_timeout(Some(Duration::from_secs(60)))
+            .build()
+            .map_err(|e| fail(e.to_string()))?;
+        let backend = PostgresBackend {
+            name,
+            pool,
+            runtime: Some(runtime),
+            state: RwLock::new(State::default()),
+            pending: Mutex::new(Vec::new()),
+        };
+        backend.block_on(backend.migrate()).map_err(|e| backend.db_error(e))?;
+        let state = backend.current_state()?;
+        *backend.state.write().unwrap_or_else(|p| p.into_inner()) = state;
+        Ok(backend)
+    }
+
+    /// Runs `future` on this backend's runtime and waits for it, from any thread (inside
+    /// another runtime's worker too: the engine moves blocking backends off its workers).
+    fn block_on<F: Future>(&self, future: F) -> F::Output {
+        let runtime = self.runtime.as_ref().expect("the runtime lives until drop");
+        let _context = runtime.enter();
+        // Unconstrained: inside a caller's tokio task, the task's cooperative budget would
+        // run out and never be refilled here (this loop never yields to its scheduler).
+        futures::executor::block_on(tokio::task::unconstrained(future))
+    }
+
+    fn error(&self, e: impl std::fmt::Display) -> DbError {
+        DbError { db: self.name.clone(), error: e.to_string() }
+    }
+
+    fn db_error(&self, e: CommitError) -> DbError {
+        match e {
+            CommitError::Backend(message) => self.error(message),
+            other => self.error(other),
+        }
+    }
+
+    /// `e` with the database named in its message.
+    fn named(&self, e: CommitError) -> CommitError {
+        match e {
+            CommitError::Backend(message) => CommitError::Backend(self.error(message).to_string()),
+            other => other,
+        }
+    }
+
+    /// Runs `attempt` on a pooled connection, again on a new one while it fails transiently.
+    /// Error messages do not name the database yet.
+    async fn with_retry<T>(
+        &self,
+        mut attempt: impl AsyncFnMut(&mut deadpool_postgres::Client, u32) -> Result<T, Failure>,
+    ) -> Result<T, CommitError> {
+        let mut pause = FIRST_PAUSE;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let result = match self.pool.get().await {
+                Ok(mut client) => attempt(&mut client, tries).await,
+                Err(e) => Err(e.into()),
+            };
+            match result {
+                Ok(value) => return Ok(value),
+                Err(Failure::Fatal(e)) => return Err(e),
+                Err(Failure::Transient(e)) if tries >= ATTEMPTS => {
+                    return Err(CommitError::Backend(format!("{e} (tried {tries} times)")));
+                }
+                Err(Failure::Transient(e)) => {
+                    tracing::warn!(db = %self.name, "retrying after a broken connection: {e}");
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+            }
+        }
+    }
+
+    /// Read-only queries, retried like any other.
+    fn read<T>(
+        &self,
+        query: impl AsyncFnMut(&mut deadpool_postgres::Client, u32) -> Result<T, Failure>,
+    ) -> Result<T, DbError> {
+        self.block_on(self.with_retry(query)).map_err(|e| self.db_error(e))
+    }
+
+    /// Creates or migrates the schema; two processes starting at once migrate it once.
+    async fn migrate(&self) -> Result<(), CommitError> {
+        self.with_retry(async |client, _| {
+            let tx = client.transaction().await?;
+            tx.batch_execute(
+                "SELECT pg_advisory_xact_lock(hashtext('sagabox migrations ' || current_schema()));
+                 CREATE TABLE IF NOT EXISTS sagabox_migrations (version INT PRIMARY KEY, applied_ms BIGINT NOT NULL);",
+            )
+            .await?;
+            let applied: i32 =
+                tx.query_one("SELECT COALESCE(MAX(version), 0) FROM sagabox_migrations", &[]).await?.get(0);
+            let known = MIGRATIONS.len() as i32;
+            if applied > known {
+                return Err(Failure::Fatal(CommitError::Backend(format!(
+                    "the database's schema is version {applied}, newer than this sagabox's ({known}): upgrade sagabox"
+                ))));
+            }
+            for (n, sql) in MIGRATIONS.iter().enumerate().skip(applied as usize) {
+                tx.batch_execute(sql).await?;
+                tx.execute("INSERT INTO sagabox_migrations VALUES ($1, $2)", &[&(n as i32 + 1), &(now_ms() as i64)])
+                    .await?;
+            }
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Documents written after `since` with the version they were written at, the
+    /// namespaces' key-set versions, and the database's version, read in one snapshot.
+    async fn read_since(
+        client: &mut deadpool_postgres::Client,
+        since: u64,
+    ) -> Result<(Vec<DocRow>, Vec<(String, u64)>, u64), tokio_postgres::Error> {
+        let tx = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await?;
+        let (docs, keys, version) = Self::rows_since(&tx, since).await?;
+        tx.commit().await?;
+        Ok((docs, keys, version))
+    }
+
+    /// [`Self::read_since`] in the caller's transaction.
+    async fn rows_since(
+        tx: &impl GenericClient,
+        since: u64,
+    ) -> Result<(Vec<DocRow>, Vec<(String, u64)>, u64), tokio_postgres::Error> {
+        let version: i64 = tx.query_one("SELECT value FROM meta WHERE name = 'version'", &[]).await?.get(0);
+        let docs = tx
+            .query(
+                "SELECT ns, key, body, version FROM docs WHERE version > $1 ORDER BY version, ns, key",
+                &[&(since as i64)],
+            )
+            .await?
+            .iter()
+            .map(|r| (r.get(0), r.get(1), r.get(2), r.get::<_, i64>(3) as u64))
+            .collect();
+        let keys = tx
+            .query("SELECT ns, keys_version FROM namespaces WHERE keys_version > $1", &[&(since as i64)])
+            .await?
+            .iter()
+            .map(|r| (r.get(0), r.get::<_, i64>(1) as u64))
+            .collect();
+        Ok((docs, keys, version as u64))
+    }
+
+    /// Brings the in-memory state up to `version` with the rows read since its own.
+    fn apply_rows(&self, docs: Vec<DocRow>, version: u64) {
+        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        if state.version() < version {
+            // Rows this state already holds (read again by a catch-up that started earlier) are left out.
+            let since = state.version();
+            let newer: Vec<DocRow> = docs.into_iter().filter(|row| row.3 > since).collect();
+            apply_commits(&mut state, &newer, version);
+        }
+    }
+
+    /// The output cached under `key`.
+    async fn cached_in(client: &impl GenericClient, key: &str) -> Result<Option<Value>, Failure> {
+        let row = client.query_opt("SELECT output FROM results WHERE key = $1", &[&key]).await?;
+        row.map(|r| {
+            let text: String = r.get(0);
+            serde_json::from_str(&text)
+                .map_err(|e| Failure::Fatal(CommitError::Backend(format!("cached result {key}: {e}"))))
+        })
+        .transpose()
+    }
+
+    /// Writes `pending` (held back earlier), then `events`, in `tx`, and records run ends.
+    /// A record that is already there is an error for `events`; a pending one (of a run whose
+    /// journal another process took over) is dropped with a warning.
+    async fn write_events(&self, tx: &impl GenericClient, pending: &[Event], events: &[Event]) -> Result<(), Failure> {
+        if pending.is_empty() && events.is_empty() {
+            return Ok(());
+        }
+        let all: Vec<&Event> = pending.iter().chain(events).collect();
+        let runs: Vec<&str> = all.iter().map(|e| e.run_id.as_str()).collect();
+        let seqs: Vec<i64> = all.iter().map(|e| e.seq as i64).collect();
+        let bodies = all
+            .iter()
+            .map(serde_json::to_string)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| CommitError::Backend(e.to_string()))?;
+        // One statement for all of them; it returns those it inserted.
+        let insert = tx
+            .prepare_cached(
+                "INSERT INTO events (run_id, seq, body) SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[])
+                 ON CONFLICT DO NOTHING RETURNING run_id, seq",
+            )
+            .await?;
+        let inserted: std::collections::HashSet<(String, i64)> =
+            tx.query(&insert, &[&runs, &seqs, &bodies]).await?.iter().map(|r| (r.get(0), r.get(1))).collect();
+        for (n, event) in all.iter().enumerate() {
+            if inserted.contains(&(event.run_id.clone(), event.seq as i64)) {
+                if let Some(status) = finished_status(event) {
+                    tx.execute(
+                        "UPDATE runs SET status = $1, finished_ms = $2 WHERE run_id = $3",
+                        &[&status, &(now_ms() as i64), &event.run_id],
+                    )
+                    .await?;
+                }
+            } else if n < pending.len() {
+                tracing::warn!("dropping a journal record: {}", duplicate_event(event));
+            } else {
+                return Err(Failure::Fatal(CommitError::Backend(duplicate_event(event))));
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes out the held-back events of `run_id`'s run: its next write carries them, so
+    /// that its journal is written in order whatever other runs commit meanwhile.
+    fn take_pending(&self, run_id: Option<&str>) -> Vec<Event> {
+        let Some(run_id) = run_id else { return Vec::new() };
+        let mut pending = lock(&self.pending);
+        let (theirs, others) = std::mem::take(&mut *pending).into_iter().partition(|e| e.run_id == run_id);
+        *pending = others;
+        theirs
+    }
+
+    /// Puts back held-back events a failed write did not write, ahead of newer ones.
+    fn restore_pending(&self, mut events: Vec<Event>) {
+        let mut pending = lock(&self.pending);
+        events.append(&mut pending);
+        *pending = events;
+    }
+
+    /// Runs a write that carries `run_id`'s held-back events, putting them back if it fails.
+    async fn carrying_pending<T>(
+        &self,
+        run_id: Option<&str>,
+        write: impl AsyncFnOnce(&[Event]) -> Result<T, CommitError>,
+    ) -> Result<T, CommitError> {
+        let pending = self.take_pending(run_id);
+        let written = write(&pending).await;
+        if written.is_err() {
+            self.restore_pending(pending);
+        }
+        written
+    }
+
+    /// One try of [`Backend::commit`]. `changes` keeps what the first try computed: when a
+    /// try's COMMIT got no answer, the next finds out from the journal whether it happened.
+    async fn try_commit(
+        &self,
+        client: &mut deadpool_postgres::Client,
+        txn: &Txn,
+        result: Option<(&str, &Value)>,
+        (pending, events): (&[Event], &[Event]),
+        changes: &mut Option<Vec<Change>>,
+    ) -> Result<Vec<Change>, Failure> {
+        let tx = client.transaction().await?;
+        let since = self.state.read().unwrap_or_else(|p| p.into_inner()).version() as i64;
+        // One round trip for the three reads (the server runs them in order, so the cache
+        // and the documents are read under the lock): the row lock serializes the commits
+        // of every process and the version follows it; then the result cache; then the
+        // documents other processes wrote since this one's state.
+        let (lock, cached, docs) = (
+            tx.prepare_cached("SELECT value FROM meta WHERE name = 'version' FOR UPDATE").await?,
+            tx.prepare_cached("SELECT output FROM results WHERE key = $1").await?,
+            tx.prepare_cached("SELECT ns, key, body, version FROM docs WHERE version > $1 ORDER BY version, ns, key")
+                .await?,
+        );
+        let key = result.map_or("", |(key, _)| key);
+        let (key_param, since_param): ([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 1]) = ([&key], [&since]);
+        let (version, cached, docs) = futures::try_join!(
+            tx.query_one(&lock, &[]),
+            tx.query_opt(&cached, &key_param),
+            tx.query(&docs, &since_param)
+        )?;
+        let version: i64 = version.get(0);
+        if let Some(previous) = changes.as_ref()
+            && self.committed_before(&tx, events).await?
+        {
+            return Ok(previous.clone());
+        }
+        if let Some(row) = cached.filter(|_| result.is_some()) {
+            let output = serde_json::from_str(row.get::<_, &str>(0))
+                .map_err(|e| CommitError::Backend(format!("cached result {key}: {e}")))?;
+            return Err(CommitError::AlreadyCommitted(output).into());
+        }
+        let docs: Vec<DocRow> =
+            docs.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get::<_, i64>(3) as u64)).collect();
+        self.apply_rows(docs, version as u64);
+        let next = version + 1;
+        let (new_changes, writes) = {
+            let state = self.state.read().unwrap_or_else(|p| p.into_inner());
+            txn.validate(&state).map_err(CommitError::from)?;
+            (txn.changes(&state), Writes::of(txn, &state))
+        };
+        *changes = Some(new_changes.clone());
+        // One round trip for every write: the documents, the namespaces whose key sets
+        // changed, the cached result, the version, and the journal.
+        let statements = (
+            tx.prepare_cached(
+                "INSERT INTO docs (ns, key, body, version) SELECT ns, key, body, $4 FROM unnest($1::text[], $2::text[], $3::text[]) AS w(ns, key, body)
+                 ON CONFLICT (ns, key) DO UPDATE SET body = EXCLUDED.body, version = EXCLUDED.version",
+            )
+            .await?,
+            tx.prepare_cached(
+                "INSERT INTO namespaces SELECT ns, $2 FROM unnest($1::text[]) AS k(ns)
+                 ON CONFLICT (ns) DO UPDATE SET keys_version = EXCLUDED.keys_version",
+            )
+            .await?,
+            tx.prepare_cached("INSERT INTO results (key, run_id, output) SELECT $1, $2, $3 WHERE $4").await?,
+            tx.prepare_cached("UPDATE meta SET value = $1 WHERE name = 'version'").await?,
+        );
+        let (put, keys, cache, bump) = statements;
+        let run_id = events.first().map_or("", |e| e.run_id.as_str());
+        let output = result.map_or(String::new(), |(_, output)| output.to_string());
+        futures::try_join!(
+            self.write_events(&tx, pending, events),
+            async { Ok(tx.execute(&put, &[&writes.ns, &writes.keys, &writes.bodies, &next]).await?) },
+            async { Ok(tx.execute(&keys, &[&writes.key_sets, &next]).await?) },
+            async { Ok(tx.execute(&cache, &[&key, &run_id, &output, &result.is_some()]).await?) },
+            async { Ok::<_, Failure>(tx.execute(&bump, &[&next]).await?) },
+        )?;
+        tx.commit().await?;
+        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        // A snapshot may have caught up past this commit meanwhile: then it holds these writes.
+        if state.version() < next as u64 {
+            state.apply(next as u64, txn.writes());
+        }
+        Ok(new_changes)
+    }
+
+    /// Whether an earlier try of this commit, whose COMMIT got no answer, did commit: its
+    /// first journal record is there, as it wrote it.
+    async fn committed_before(&self, tx: &impl GenericClient, events: &[Event]) -> Result<bool, Failure> {
+        let Some(first) = events.first() else { return Ok(false) };
+        let row = tx
+            .query_opt("SELECT body FROM events WHERE run_id = $1 AND seq = $2", &[&first.run_id, &(first.seq as i64)])
+            .await?;
+        let ours = serde_json::to_string(first).map_err(|e| CommitError::Backend(e.to_string()))?;
+        Ok(row.is_some_and(|r| r.get::<_, String>(0) == ours))
+    }
+
+    /// Writes `pending` and `events` in a transaction of their own.
+    async fn write_now(&self, pending: &[Event], events: &[Event]) -> Result<(), CommitError> {
+        self.with_retry(async |client, tries| {
+            let tx = client.transaction().await?;
+            // A retried write whose first try committed finds its own records.
+            if tries > 1 && self.committed_before(&tx, events).await? {
+                return Ok(());
+            }
+            self.write_events(&tx, pending, events).await?;
+            tx.commit().await?;
+            Ok(())
+        })
+        .await
+    }
+}
+
+/// A journal record that is already there: another process writes this run's journal.
+fn duplicate_event(event: &Event) -> String {
+    format!("{} (another process writes this run)", super::duplicate_event(event))
+}
+
+fn run_from_row(r: &tokio_postgres::Row) -> RunRecord {
+    RunRecord {
+        run_id: r.get(0),
+        saga: r.get(1),
+        saga_path: r.get(2),
+        definition: r.get(3),
+        input: serde_json::from_str(r.get::<_, &str>(4)).unwrap_or(Value::Null),
+        seed: r.get::<_, i64>(5) as u64,
+        status: r.get(6),
+        pid: r.get::<_, i64>(7) as u32,
+        owner: r.get(8),
+        lease_until_ms: r.get::<_, Option<i64>>(9).map(|v| v as u64),
+        started_ms: r.get::<_, i64>(10) as u64,
+        finished_ms: r.get::<_, Option<i64>>(11).map(|v| v as u64),
+    }
+}
+
+impl Backend for PostgresBackend {
+    fn snapshot(&self) -> State {
+        let since = self.state.read().unwrap_or_else(|p| p.into_inner()).version();
+        let caught_up = self.read(async |client, _| {
+            let version: i64 = client.query_one("SELECT value FROM meta WHERE name = 'version'", &[]).await?.get(0);
+            if version as u64 == since {
+                return Ok(None);
+            }
+            Ok(Some(Self::read_since(client, since).await?))
+        });
+        match caught_up {
+            Ok(Some((docs, _, version))) => self.apply_rows(docs, version),
+            Ok(None) => {}
+            Err(e) => tracing::warn!("cannot catch up with the database: {e}"),
+        }
+        self.state.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn commit(&self, txn: &Txn, result: Option<(&str, &Value)>, events: &[Event]) -> Result<Vec<Change>, CommitError> {
+        // Commits of one process overlap (they queue on the version row's lock in the server);
+        // each run's commits come one at a time, from the engine, in journal order.
+        let run_id = events.first().map(|e| e.run_id.as_str());
+        self.block_on(self.carrying_pending(run_id, async |pending| {
+            let mut changes = None;
+            let attempt = async |client: &mut deadpool_postgres::Client, _| {
+                self.try_commit(client, txn, result, (pending, events), &mut changes).await
+            };
+            self.with_retry(attempt).await
+        }))
+        .map_err(|e| self.named(e))
+    }
+
+    fn record(&self, events: &[Event]) -> Result<(), CommitError> {
+        if !write_at_once(events) {
+            lock(&self.pending).extend_from_slice(events);
+            return Ok(());
+        }
+        let run_id = events.first().map(|e| e.run_id.as_str());
+        self.block_on(self.carrying_pending(run_id, async |pending| self.write_now(pending, events).await))
+            .map_err(|e| self.named(e))
+    }
+
+    fn cached(&self, key: &str) -> Option<Value> {
+        self.read(async |client, _| Self::cached_in(&*client, key).await).unwrap_or_else(|e| {
+            tracing::warn!("cannot read the result cache: {e}");
+            None
+        })
+    }
+
+    fn blocks(&self) -> bool {
+        true
+    }
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn current_state(&self) -> Result<State, DbError> {
+        let (docs, keys, version) = self.read(async |client, _| Ok(Self::read_since(client, 0).await?))?;
+        let live = docs.into_iter().filter_map(|(ns, key, body, v)| body.map(|b| (ns, key, b, v)));
+        Ok(State::from_versioned(live, keys, version))
+    }
+
+    fn seed_if_new(&self, state: &State) -> Result<bool, DbError> {
+        let seeded = self.read(async |client, _| {
+            let tx = client.transaction().await?;
+            let version: i64 =
+                tx.query_one("SELECT value FROM meta WHERE name = 'version' FOR UPDATE", &[]).await?.get(0);
+            let runs: i64 = tx.query_one("SELECT COUNT(*) FROM runs", &[]).await?.get(0);
+            let docs: i64 = tx.query_one("SELECT COUNT(*) FROM docs", &[]).await?.get(0);
+            if version != 0 || runs != 0 || docs != 0 {
+                return Ok(false);
+            }
+            let put = tx.prepare("INSERT INTO docs (ns, key, body, version) VALUES ($1, $2, $3, 1)").await?;
+            for (ns, namespace) in state.namespaces() {
+                for (key, doc) in namespace.iter() {
+                    tx.execute(&put, &[ns, key, &&*doc.text]).await?;
+                }
+                tx.execute("INSERT INTO namespaces VALUES ($1, 1)", &[ns]).await?;
+            }
+            tx.execute("UPDATE meta SET value = 1 WHERE name = 'version'", &[]).await?;
+            tx.commit().await?;
+            Ok(true)
+        })?;
+        if seeded {
+            let state = self.current_state()?;
+            *self.state.write().unwrap_or_else(|p| p.into_inner()) = state;
+        }
+        Ok(seeded)
+    }
+
+    fn register_run(&self, run: &RunRecord) -> Result<(), RegisterError> {
+        let inserted = self.read(async |client, _| {
+            let sql = "INSERT INTO runs (run_id, saga, saga_path, definition, input, seed, status, pid, owner,
+                                         lease_until_ms, started_ms)
+                       VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11) ON CONFLICT DO NOTHING";
+            let input = run.input.to_string();
+            let params: [&(dyn ToSql + Sync); 11] = [
+                &run.run_id,
+                &run.saga,
+                &run.saga_path,
+                &run.definition,
+                &input,
+                &(run.seed as i64),
+                &run.status,
+                &(run.pid as i64),
+                &run.owner,
+                &run.lease_until_ms.map(|t| t as i64),
+                &(now_ms() as i64),
+            ];
+            Ok(client.execute(sql, &params).await?)
+        })?;
+        if inserted == 0 {
+            return Err(RegisterError::Exists { run_id: run.run_id.clone(), db: self.name.clone() });
+        }
+        Ok(())
+    }
+
+    fn adopt_run(&self, run_id: &str, seen: &RunRecord, lease_until_ms: u64) -> Result<bool, DbError> {
+        let changed = self.read(async |client, _| {
+            let sql = "UPDATE runs SET pid = $1, owner = $2, lease_until_ms = $3
+                       WHERE run_id = $4 AND owner = $5 AND pid = $6 AND status = 'running'";
+            let params: [&(dyn ToSql + Sync); 6] = [
+                &(std::process::id() as i64),
+                &this_process(),
+                &(lease_until_ms as i64),
+                &run_id,
+                &seen.owner,
+                &(seen.pid as i64),
+            ];
+            Ok(client.execute(sql, &params).await?)
+        })?;
+        Ok(changed == 1)
+    }
+
+    fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError> {
+        self.read(async |client, _| {
+            // SKIP LOCKED: workers claiming at once each take other runs, without waiting.
+            let sql = format!(
+                "UPDATE runs SET status = 'running', pid = $1, owner = $2, lease_until_ms = $3
+                 WHERE run_id IN (
+                     SELECT run_id FROM runs
+                     WHERE status = 'queued' OR (status = 'running' AND lease_until_ms < $4)
+                     ORDER BY started_ms, run_id LIMIT $5 FOR UPDATE SKIP LOCKED)
+                 RETURNING {RUN_COLUMNS}"
+            );
+            let params: [&(dyn ToSql + Sync); 5] = [
+                &(std::process::id() as i64),
+                &this_process(),
+                &(lease_until_ms as i64),
+                &(now_ms as i64),
+                &(limit as i64),
+            ];
+            let mut runs: Vec<RunRecord> = client.query(&sql, &params).await?.iter().map(run_from_row).collect();
+            runs.sort_by(|a, b| (a.started_ms, &a.run_id).cmp(&(b.started_ms, &b.run_id)));
+            Ok(runs)
+        })
+    }
+
+    fn renew_leases(&self, lease_until_ms: u64) -> Result<u64, DbError> {
+        self.read(async |client, _| {
+            let sql = "UPDATE runs SET lease_until_ms = $1 WHERE owner = $2 AND status = 'running'";
+            Ok(client.execute(sql, &[&(lease_until_ms as i64), &this_process()]).await?)
+        })
+    }
+
+    fn runs(&self) -> Result<Vec<RunRecord>, DbError> {
+        self.read(async |client, _| {
+            let sql = format!("SELECT {RUN_COLUMNS} FROM runs ORDER BY started_ms, run_id");
+            Ok(client.query(&sql, &[]).await?.iter().map(run_from_row).collect())
+        })
+    }
+
+    fn events(&self, run_id: &str) -> Result<Vec<Event>, DbError> {
+        let bodies: Vec<String> = self.read(async |client, _| {
+            let rows = client.query("SELECT body FROM events WHERE run_id = $1 ORDER BY seq", &[&run_id]).await?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
+        })?;
+        bodies
+            .iter()
+            .map(|body| {
+                serde_json::from_str(body).map_err(|e| self.error(format!("a journal record of {run_id}: {e}")))
+            })
+            .collect()
+    }
+
+    fn journal_bytes(&self, run_id: &str) -> Result<u64, DbError> {
+        self.read(async |client, _| {
+            let sql = "SELECT COALESCE(SUM(OCTET_LENGTH(body)), 0)::BIGINT FROM events WHERE run_id = $1";
+            Ok(client.query_one(sql, &[&run_id]).await?.get::<_, i64>(0) as u64)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_never_reach_messages() {
+        assert_eq!(redact("postgres://u:secret@h:5432/db"), "postgres://u:***@h:5432/db");
+        assert_eq!(redact("postgresql://u:p@ss@h/db?x=1"), "postgresql://u:***@h/db?x=1");
+        assert_eq!(redact("postgres://u@h/db?password=secret&x=1"), "postgres://u@h/db?password=***&x=1");
+        assert_eq!(redact("postgres://h/db"), "postgres://h/db");
+    }
+}

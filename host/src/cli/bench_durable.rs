@@ -1,0 +1,250 @@
+//! `sagabox bench --only durable`: durable CT1 runs and step commits on SQLite and, given a
+//! server (`--pg-url` or SAGABOX_PG_URL), on PostgreSQL, with 1, 2 and 4 worker processes
+//! draining one queue.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Instant;
+
+use sagabox::backend::{self, Backend, Durability, RunRecord};
+use sagabox::runtime::Runtime;
+use sagabox::saga::{self, RunOptions, Status};
+use sagabox::store::{State, Txn, WriteQuota};
+use serde_json::json;
+
+use super::bench::{Measurement, shipped_saga};
+
+/// What the durable group measured.
+#[derive(Default)]
+pub struct Durable {
+    pub latencies: Vec<Measurement>,
+    pub rates: Vec<(String, f64)>,
+}
+
+/// A database of each kind, fresh: SQLite in a temporary directory, PostgreSQL in a schema
+/// of its own (dropped when done).
+enum Fresh {
+    Sqlite(std::path::PathBuf, Durability),
+    Postgres { server: String, schema: String, durability: Durability },
+}
+
+impl Fresh {
+    fn label(&self) -> String {
+        match self {
+            Fresh::Sqlite(_, durability) => format!("SQLite synchronous={durability:?}"),
+            Fresh::Postgres { durability, .. } => format!("PostgreSQL {}", synchronous_commit(*durability)),
+        }
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Fresh::Sqlite(dir, _) => dir.join("bench.db").display().to_string(),
+            Fresh::Postgres { server, schema, .. } => {
+                let separator = if server.contains('?') { '&' } else { '?' };
+                format!("{server}{separator}options=-csearch_path%3D{schema}")
+            }
+        }
+    }
+
+    fn open(&self) -> anyhow::Result<Arc<dyn Backend>> {
+        Ok(backend::open(&self.url(), self.durability(), true)?)
+    }
+
+    fn durability(&self) -> Durability {
+        match self {
+            Fresh::Sqlite(_, durability) | Fresh::Postgres { durability, .. } => *durability,
+        }
+    }
+}
+
+impl Drop for Fresh {
+    fn drop(&mut self) {
+        let cleaned = match self {
+            Fresh::Sqlite(dir, _) => std::fs::remove_dir_all(dir).map_err(anyhow::Error::from),
+            Fresh::Postgres { server, schema, .. } => {
+                pg_execute(server, &format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            }
+        };
+        if let Err(e) = cleaned {
+            eprintln!("warning: cannot remove the benchmark's database: {e}");
+        }
+    }
+}
+
+fn fresh_sqlite(durability: Durability) -> anyhow::Result<Fresh> {
+    let dir = std::env::temp_dir().join(format!("sagabox-bench-{}", sagabox::ids::new_run_id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(Fresh::Sqlite(dir, durability))
+}
+
+fn fresh_postgres(server: &str, tag: &str, durability: Durability) -> anyhow::Result<Fresh> {
+    let schema = format!("sagabox_bench_{tag}_{}", std::process::id());
+    pg_execute(server, &format!("DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"))?;
+    Ok(Fresh::Postgres { server: server.to_string(), schema, durability })
+}
+
+/// What `--durability` sets on PostgreSQL.
+fn synchronous_commit(durability: Durability) -> &'static str {
+    match durability {
+        Durability::Normal => "synchronous_commit=off",
+        Durability::Full => "synchronous_commit=on",
+    }
+}
+
+/// Runs `sql` on the server, on a thread of its own (the caller may be inside a runtime).
+fn pg_execute(server: &str, sql: &str) -> anyhow::Result<()> {
+    let (server, sql) = (server.to_string(), sql.to_string());
+    std::thread::spawn(move || -> anyhow::Result<()> {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        runtime.block_on(async {
+            let (client, connection) = tokio_postgres::connect(&server, tokio_postgres::NoTls)
+                .await
+                .map_err(|e| anyhow::anyhow!("{}: {e}", backend::postgres::redact(&server)))?;
+            tokio::spawn(connection);
+            client.batch_execute(&sql).await?;
+            Ok(())
+        })
+    })
+    .join()
+    .map_err(|_| anyhow::anyhow!("the PostgreSQL thread panicked"))?
+}
+
+/// Every measurement of the group; PostgreSQL's only with `pg_url`.
+pub async fn run(
+    runtime: &Arc<Runtime>,
+    sagas_dir: &Path,
+    sagas: usize,
+    pg_url: Option<&str>,
+) -> anyhow::Result<Durable> {
+    let mut out = Durable::default();
+    let mut databases = vec![fresh_sqlite(Durability::Normal)?, fresh_sqlite(Durability::Full)?];
+    if let Some(server) = pg_url {
+        databases.push(fresh_postgres(server, "normal", Durability::Normal)?);
+        databases.push(fresh_postgres(server, "full", Durability::Full)?);
+    }
+    for db in &databases {
+        let backend = db.open()?;
+        out.latencies.push(commit_latency(&*backend, &db.label(), 2000)?);
+        let (rate, bytes) = sequential_ct1(runtime, &*backend, sagas_dir, sagas).await?;
+        out.rates
+            .push((format!("durable ct1 sagas/s, one at a time, {} (journal {bytes} bytes/saga)", db.label()), rate));
+    }
+    match pg_url {
+        Some(server) => {
+            let mut queues: Vec<(usize, Fresh)> = Vec::new();
+            for workers in [1, 2, 4] {
+                queues.push((workers, fresh_postgres(server, &format!("workers{workers}"), Durability::Normal)?));
+            }
+            queues.push((4, fresh_postgres(server, "workers4full", Durability::Full)?));
+            queues.push((2, fresh_sqlite(Durability::Normal)?));
+            for (workers, db) in queues {
+                let rate = drain_with_workers(runtime, &db, sagas_dir, sagas * 2, workers)?;
+                out.rates.push((
+                    format!("durable ct1 sagas/s, {workers} worker process(es) × 16 in flight, {}", db.label()),
+                    rate,
+                ));
+            }
+        }
+        None => eprintln!("note: no PostgreSQL rows: give --pg-url (or SAGABOX_PG_URL)"),
+    }
+    Ok(out)
+}
+
+/// One step's commit: read a counter, write it back one higher, with one journal record.
+fn commit_latency(backend: &dyn Backend, label: &str, commits: usize) -> anyhow::Result<Measurement> {
+    backend.seed_if_new(&State::from_json(&json!({ "pools": { "p": { "n": 0 } } })).map_err(anyhow::Error::msg)?)?;
+    let run = RunRecord::starting("latency", "latency", "latency.json", "{}".into(), &json!({}), 0);
+    backend.register_run(&run)?;
+    let mut samples = Vec::with_capacity(commits);
+    for seq in 0..commits {
+        let started = Instant::now();
+        let mut txn = Txn::new(backend.snapshot(), WriteQuota::default());
+        let n = txn
+            .get("pools", "p")
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .map_or(0, |v| v["n"].as_u64().unwrap_or(0));
+        txn.put("pools", "p", &json!({ "n": n + 1 }).to_string())?;
+        let mut event = sagabox::saga::journal::Event::new(sagabox::saga::journal::EventKind::StepCompleted);
+        event.run_id = "latency".into();
+        event.seq = seq as u64;
+        let key = format!("latency-{seq}");
+        backend.commit(&txn, Some((&key, &json!({ "n": n + 1 }))), &[event])?;
+        samples.push(started.elapsed());
+    }
+    Ok(Measurement::from_samples(
+        format!("step commit (snapshot, read-modify-write, cached result, journal record), {label}"),
+        samples,
+    ))
+}
+
+/// CT1 sagas run one after another on `backend`; returns sagas/s and journal bytes per saga.
+async fn sequential_ct1(
+    runtime: &Runtime,
+    backend: &dyn Backend,
+    sagas_dir: &Path,
+    sagas: usize,
+) -> anyhow::Result<(f64, u64)> {
+    let (saga, state, input) = shipped_saga(runtime, sagas_dir, "ct1-payment-failure")?;
+    // The latency loop seeded a counter; CT1's documents are added beside it.
+    let mut txn = Txn::new(backend.snapshot(), WriteQuota::default());
+    for (ns, namespace) in state.namespaces() {
+        for (key, doc) in namespace.iter() {
+            txn.put(ns, key, &doc.text)?;
+        }
+    }
+    backend.commit(&txn, None, &[])?;
+    let sagas = (sagas / 10).max(100);
+    let started = Instant::now();
+    for i in 0..sagas {
+        let run_id = format!("d{i}");
+        backend.register_run(&RunRecord::starting(&run_id, &saga.name, "ct1.json", String::new(), &input, 0))?;
+        let report = saga::run(runtime, &saga, backend, RunOptions::new(run_id, input.clone())).await;
+        if report.status != Status::Failed {
+            anyhow::bail!("durable ct1 ended {:?}: {:?}", report.status, report.error);
+        }
+    }
+    Ok((sagas as f64 / started.elapsed().as_secs_f64(), backend.journal_bytes("d0")?))
+}
+
+/// Queues `runs` CT1 runs in `db` and times `workers` `sagabox worker` processes draining
+/// the queue (their start-up included); returns runs/s.
+fn drain_with_workers(
+    runtime: &Runtime,
+    db: &Fresh,
+    sagas_dir: &Path,
+    runs: usize,
+    workers: usize,
+) -> anyhow::Result<f64> {
+    let (saga, state, input) = shipped_saga(runtime, sagas_dir, "ct1-payment-failure")?;
+    let backend = db.open()?;
+    backend.seed_if_new(&state)?;
+    let definition = std::fs::read_to_string(&saga.path)?;
+    let path = saga.path.display().to_string();
+    for i in 0..runs {
+        let record =
+            RunRecord::starting(&format!("q{i}"), &saga.name, &path, definition.clone(), &input, i as u64).queued();
+        backend.register_run(&record)?;
+    }
+    let exe = std::env::current_exe()?;
+    let started = Instant::now();
+    let children: Vec<_> = (0..workers)
+        .map(|_| {
+            Command::new(&exe)
+                .args(["worker", "--db", &db.url(), "--until-done", "--concurrency", "16"])
+                .arg(format!("--durability={:?}", db.durability()).to_lowercase())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+        })
+        .collect::<Result<_, _>>()?;
+    for mut child in children {
+        child.wait()?;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let unfinished = backend.runs()?.iter().filter(|r| r.status == "queued" || r.status == "running").count();
+    if unfinished > 0 {
+        anyhow::bail!("{unfinished} of {runs} queued runs were left unfinished by {workers} worker(s)");
+    }
+    Ok(runs as f64 / seconds)
+}
