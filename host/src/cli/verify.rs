@@ -110,6 +110,7 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
         concurrency: args.concurrency,
         on_case: None,
         shard: args.shard,
+        timelines: args.html.is_some(),
         state: args.state.clone(),
         replay_plugin_args: replay_plugin_args(plugin_args),
     };

@@ -42,6 +42,8 @@ pub struct CampaignOptions {
     pub on_case: Option<CaseHook>,
     /// Run only this shard's part of every saga's cases ([`shard`]).
     pub shard: Option<shard::Shard>,
+    /// Draw each deterministic case's timeline (for `--html`); off, a case costs less.
+    pub timelines: bool,
     /// The fixture every subject's `initial` was loaded from instead of its saga's own
     /// `<saga>.fixture.json` (`verify --state`), if one was given; replay commands name it.
     pub state: Option<PathBuf>,
@@ -71,6 +73,7 @@ impl Default for CampaignOptions {
             concurrency: 2,
             on_case: None,
             shard: None,
+            timelines: false,
             state: None,
             replay_plugin_args: Vec::new(),
         }
@@ -574,15 +577,19 @@ fn spawn_case(
 ) -> tokio::task::JoinHandle<(CaseReport, RunReport)> {
     let (runtime, subject, clean, permits) =
         (runtime.clone(), saga.subject.clone(), saga.clean.clone(), permits.clone());
-    let (case, seed, hook) = (case.clone(), options.seed, options.on_case.clone());
+    let (case, seed, hook, timelines) = (case.clone(), options.seed, options.on_case.clone(), options.timelines);
     let replay = replay_command(&subject.saga.path, options, &case.id);
     tokio::spawn(async move {
         let _permit = permits.acquire_owned().await;
         if let Some(hook) = hook {
             (hook.0)(&case);
         }
-        let (report, state) = run_case(&runtime, &subject, &case, seed).await;
-        (judge(&subject, &case, &report, &state, &clean, replay), report)
+        let (run, state) = run_case(&runtime, &subject, &case, seed).await;
+        let mut report = judge(&subject, &case, &run, &state, &clean, replay);
+        if timelines && case.mode == Mode::Deterministic {
+            report.timeline = Some(html::Timeline::of(&run, &subject.saga.plan, &case.faults));
+        }
+        (report, run)
     })
 }
 
@@ -798,7 +805,7 @@ fn judge(
         verdict,
         reason,
         replay,
-        timeline: serial.then(|| html::Timeline::of(run, &saga.plan, &case.faults)),
+        timeline: None,
     }
 }
 
