@@ -198,7 +198,10 @@ pub struct PostgresBackend {
     /// The URL with its password redacted, for messages.
     name: String,
     pool: Pool,
-    /// Drives the pool's connections; shut down in the background on drop, so that a
+    /// A connection of its own for lease renewals, so that commits waiting on the version
+    /// row's lock never hold a renewal back past the lease.
+    leases: Pool,
+    /// Drives the pools' connections; shut down in the background on drop, so that a
     /// backend can be dropped inside another runtime.
     runtime: Option<tokio::runtime::Runtime>,
     /// The state as of the database's version `state.version()`.
@@ -248,17 +251,22 @@ impl PostgresBackend {
             .enable_all()
             .build()
             .map_err(|e| fail(format!("cannot start the connection runtime: {e}")))?;
-        let manager = Manager::from_config(config, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
-        let pool = Pool::builder(manager)
-            .max_size(8)
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .create_timeout(Some(Duration::from_secs(10)))
-            .wait_timeout(Some(Duration::from_secs(60)))
-            .build()
-            .map_err(|e| fail(e.to_string()))?;
+        let pool = |size: usize| {
+            let manager =
+                Manager::from_config(config.clone(), NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+            Pool::builder(manager)
+                .max_size(size)
+                .runtime(deadpool_postgres::Runtime::Tokio1)
+                .create_timeout(Some(Duration::from_secs(10)))
+                .wait_timeout(Some(Duration::from_secs(60)))
+                .build()
+                .map_err(|e| fail(e.to_string()))
+        };
+        let (pool, leases) = (pool(8)?, pool(1)?);
         let backend = PostgresBackend {
             name,
             pool,
+            leases,
             runtime: Some(runtime),
             state: RwLock::new(State::default()),
             pending: Mutex::new(Vec::new()),
@@ -302,13 +310,22 @@ impl PostgresBackend {
     /// Error messages do not name the database yet.
     async fn with_retry<T>(
         &self,
+        attempt: impl AsyncFnMut(&mut deadpool_postgres::Client, u32) -> Result<T, Failure>,
+    ) -> Result<T, CommitError> {
+        self.with_retry_on(&self.pool, attempt).await
+    }
+
+    /// [`Self::with_retry`] on connections of `pool`.
+    async fn with_retry_on<T>(
+        &self,
+        pool: &Pool,
         mut attempt: impl AsyncFnMut(&mut deadpool_postgres::Client, u32) -> Result<T, Failure>,
     ) -> Result<T, CommitError> {
         let mut pause = FIRST_PAUSE;
         let mut tries = 0;
         loop {
             tries += 1;
-            let result = match self.pool.get().await {
+            let result = match pool.get().await {
                 Ok(mut client) => attempt(&mut client, tries).await,
                 Err(e) => Err(e.into()),
             };
@@ -793,10 +810,11 @@ impl Backend for PostgresBackend {
     }
 
     fn renew_leases(&self, lease_until_ms: u64) -> Result<u64, DbError> {
-        self.read(async |client, _| {
+        let renew = async |client: &mut deadpool_postgres::Client, _| {
             let sql = "UPDATE runs SET lease_until_ms = $1 WHERE owner = $2 AND status = 'running'";
             Ok(client.execute(sql, &[&(lease_until_ms as i64), &this_process()]).await?)
-        })
+        };
+        self.block_on(self.with_retry_on(&self.leases, renew)).map_err(|e| self.db_error(e))
     }
 
     fn runs(&self) -> Result<Vec<RunRecord>, DbError> {
