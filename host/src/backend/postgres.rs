@@ -63,6 +63,11 @@ CREATE INDEX runs_by_status ON runs (status, started_ms);
 ",
 ];
 
+/// The store's version (the last commit's).
+const VERSION: &str = "SELECT value FROM meta WHERE name = 'version'";
+/// The documents written after version $1, in the order they were written.
+const DOCS_SINCE: &str = "SELECT ns, key, body, version FROM docs WHERE version > $1 ORDER BY version, ns, key";
+
 /// The columns of a run, in [`run_from_row`]'s order.
 const RUN_COLUMNS: &str =
     "run_id, saga, saga_path, definition, input, seed, status, pid, owner, lease_until_ms, started_ms, finished_ms";
@@ -402,12 +407,9 @@ impl PostgresBackend {
         tx: &impl GenericClient,
         since: u64,
     ) -> Result<(Vec<DocRow>, Vec<(String, u64)>, u64), tokio_postgres::Error> {
-        let version: i64 = tx.query_one("SELECT value FROM meta WHERE name = 'version'", &[]).await?.get(0);
+        let version: i64 = tx.query_one(&tx.prepare_cached(VERSION).await?, &[]).await?.get(0);
         let docs = tx
-            .query(
-                "SELECT ns, key, body, version FROM docs WHERE version > $1 ORDER BY version, ns, key",
-                &[&(since as i64)],
-            )
+            .query(&tx.prepare_cached(DOCS_SINCE).await?, &[&(since as i64)])
             .await?
             .iter()
             .map(|r| (r.get(0), r.get(1), r.get(2), r.get::<_, i64>(3) as u64))
@@ -535,8 +537,7 @@ impl PostgresBackend {
         let (lock, cached, docs) = (
             tx.prepare_cached("SELECT value FROM meta WHERE name = 'version' FOR UPDATE").await?,
             tx.prepare_cached("SELECT output FROM results WHERE key = $1").await?,
-            tx.prepare_cached("SELECT ns, key, body, version FROM docs WHERE version > $1 ORDER BY version, ns, key")
-                .await?,
+            tx.prepare_cached(DOCS_SINCE).await?,
         );
         let key = result.map_or("", |(key, _)| key);
         let (key_param, since_param): ([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 1]) = ([&key], [&since]);
@@ -654,7 +655,8 @@ impl Backend for PostgresBackend {
     fn snapshot(&self) -> State {
         let since = self.state.read().unwrap_or_else(|p| p.into_inner()).version();
         let caught_up = self.read(async |client, _| {
-            let version: i64 = client.query_one("SELECT value FROM meta WHERE name = 'version'", &[]).await?.get(0);
+            // One round trip when nothing changed (the statement is prepared once per connection).
+            let version: i64 = client.query_one(&client.prepare_cached(VERSION).await?, &[]).await?.get(0);
             if version as u64 == since {
                 return Ok(None);
             }
