@@ -402,6 +402,10 @@ fn the_queue_hands_each_run_to_one_claimer_and_leases_renew(open: Open) {
     a.register_run(&elsewhere("dead", now - 1)).unwrap();
     a.register_run(&elsewhere("done", now - 1)).unwrap();
     a.record(&[event("done", 0, EventKind::SagaFinished).data(json!({ "status": "completed" }))]).unwrap();
+    // Registered within a millisecond or two: the ids, not their order, are what to check.
+    let mut unfinished: Vec<String> = b.unfinished_runs().unwrap().into_iter().map(|r| r.run_id).collect();
+    unfinished.sort();
+    assert_eq!(unfinished, ["dead", "live", "q1", "q2", "q3", "q4", "q5"], "a finished run is listed as unfinished");
     let queued = a.runs().unwrap().into_iter().find(|r| r.run_id == "q1").unwrap();
     assert_eq!((queued.status.as_str(), queued.owner.as_str(), queued.lease_until_ms), ("queued", "", None));
 

@@ -855,6 +855,10 @@ impl Backend for Dying<'_> {
         self.inner.runs()
     }
 
+    fn unfinished_runs(&self) -> Result<Vec<RunRecord>, DbError> {
+        self.inner.unfinished_runs()
+    }
+
     fn events(&self, run_id: &str) -> Result<Vec<sagabox::saga::journal::Event>, DbError> {
         self.inner.events(run_id)
     }

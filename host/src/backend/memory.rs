@@ -169,6 +169,12 @@ impl Backend for MemoryBackend {
         Ok(runs)
     }
 
+    fn unfinished_runs(&self) -> Result<Vec<RunRecord>, DbError> {
+        let mut runs = self.runs()?;
+        runs.retain(|r| r.status == "queued" || r.status == "running");
+        Ok(runs)
+    }
+
     fn events(&self, run_id: &str) -> Result<Vec<Event>, DbError> {
         Ok(lock(&self.registry).journals.get(run_id).map(|j| j.values().cloned().collect()).unwrap_or_default())
     }

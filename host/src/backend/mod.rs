@@ -207,6 +207,10 @@ pub trait Backend: Send + Sync {
     /// Every run, oldest first.
     fn runs(&self) -> Result<Vec<RunRecord>, DbError>;
 
+    /// The queued and running runs, oldest first: what workers and `resume` look at, read
+    /// without the finished ones (which pile up).
+    fn unfinished_runs(&self) -> Result<Vec<RunRecord>, DbError>;
+
     /// A run's journal as written so far, in order.
     fn events(&self, run_id: &str) -> Result<Vec<Event>, DbError>;
 
@@ -253,6 +257,9 @@ pub(crate) fn apply_commits(state: &mut State, rows: &[DocRow], version: u64) {
 fn write_at_once(events: &[Event]) -> bool {
     events.iter().any(|e| matches!(e.event, EventKind::SagaStarted | EventKind::SagaResumed | EventKind::SagaFinished))
 }
+
+/// The runs [`Backend::unfinished_runs`] lists, as SQL.
+const UNFINISHED: &str = "status IN ('queued', 'running')";
 
 /// The status a run ends with, when `event` ends it.
 fn finished_status(event: &Event) -> Option<&str> {

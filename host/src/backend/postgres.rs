@@ -32,8 +32,8 @@ use tokio_postgres::types::ToSql;
 
 use super::sqlite::Durability;
 use super::{
-    Backend, CommitError, DbError, DocRow, RegisterError, RunRecord, apply_commits, finished_status, lock, now_ms,
-    this_process, write_at_once,
+    Backend, CommitError, DbError, DocRow, RegisterError, RunRecord, UNFINISHED, apply_commits, finished_status, lock,
+    now_ms, this_process, write_at_once,
 };
 use crate::saga::journal::Event;
 use crate::store::{Change, State, Txn};
@@ -347,6 +347,12 @@ impl PostgresBackend {
                 }
             }
         }
+    }
+
+    /// The runs `condition` (SQL) selects, oldest first.
+    fn select_runs(&self, condition: &str) -> Result<Vec<RunRecord>, DbError> {
+        let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE {condition} ORDER BY started_ms, run_id");
+        self.read(async |client, _| Ok(client.query(&sql, &[]).await?.iter().map(run_from_row).collect()))
     }
 
     /// Read-only queries, retried like any other.
@@ -820,10 +826,11 @@ impl Backend for PostgresBackend {
     }
 
     fn runs(&self) -> Result<Vec<RunRecord>, DbError> {
-        self.read(async |client, _| {
-            let sql = format!("SELECT {RUN_COLUMNS} FROM runs ORDER BY started_ms, run_id");
-            Ok(client.query(&sql, &[]).await?.iter().map(run_from_row).collect())
-        })
+        self.select_runs("TRUE")
+    }
+
+    fn unfinished_runs(&self) -> Result<Vec<RunRecord>, DbError> {
+        self.select_runs(UNFINISHED)
     }
 
     fn events(&self, run_id: &str) -> Result<Vec<Event>, DbError> {

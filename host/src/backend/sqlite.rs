@@ -24,7 +24,7 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, pa
 use serde_json::Value;
 
 use super::{
-    Backend, CommitError, DbError, RegisterError, RunRecord, apply_commits, finished_status, lock, now_ms,
+    Backend, CommitError, DbError, RegisterError, RunRecord, UNFINISHED, apply_commits, finished_status, lock, now_ms,
     this_process, write_at_once,
 };
 use crate::saga::journal::Event;
@@ -551,12 +551,11 @@ impl Backend for SqliteBackend {
     }
 
     fn runs(&self) -> Result<Vec<RunRecord>, DbError> {
-        let conn = lock(&self.conn);
-        let mut stmt = conn
-            .prepare(&format!("SELECT {RUN_COLUMNS} FROM runs ORDER BY started_ms, run_id"))
-            .map_err(|e| self.error(e))?;
-        let rows = stmt.query_map([], run_from_row).map_err(|e| self.error(e))?;
-        rows.collect::<Result<_, _>>().map_err(|e| self.error(e))
+        self.select_runs("TRUE")
+    }
+
+    fn unfinished_runs(&self) -> Result<Vec<RunRecord>, DbError> {
+        self.select_runs(UNFINISHED)
     }
 
     fn events(&self, run_id: &str) -> Result<Vec<Event>, DbError> {
@@ -585,6 +584,15 @@ impl Backend for SqliteBackend {
 }
 
 impl SqliteBackend {
+    /// The runs `condition` (SQL) selects, oldest first.
+    fn select_runs(&self, condition: &str) -> Result<Vec<RunRecord>, DbError> {
+        let conn = lock(&self.conn);
+        let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE {condition} ORDER BY started_ms, run_id");
+        let mut stmt = conn.prepare_cached(&sql).map_err(|e| self.error(e))?;
+        let rows = stmt.query_map([], run_from_row).map_err(|e| self.error(e))?;
+        rows.collect::<Result<_, _>>().map_err(|e| self.error(e))
+    }
+
     /// Writes the pending events and `events` in a transaction of their own.
     fn write_now(&self, events: &[Event]) -> Result<(), EventsError> {
         let failed = |e: rusqlite::Error| EventsError::Failed(self.commit_error(e));

@@ -242,7 +242,7 @@ fn drain_with_workers(
         child.wait()?;
     }
     let seconds = started.elapsed().as_secs_f64();
-    let unfinished = backend.runs()?.iter().filter(|r| r.status == "queued" || r.status == "running").count();
+    let unfinished = backend.unfinished_runs()?.len();
     if unfinished > 0 {
         anyhow::bail!("{unfinished} of {runs} queued runs were left unfinished by {workers} worker(s)");
     }

@@ -104,7 +104,7 @@ pub async fn resume(plugin_args: &PluginArgs, args: ResumeArgs) -> anyhow::Resul
     let db = args.db.open()?;
     let _heartbeat = Heartbeat::start(Arc::clone(&db), DEFAULT_LEASE);
     let runs: Vec<_> = db
-        .runs()?
+        .unfinished_runs()?
         .into_iter()
         .filter(|r| r.status == "running" && args.run_id.as_ref().is_none_or(|id| id == &r.run_id))
         .collect();

@@ -148,7 +148,7 @@ pub async fn run(plugin_args: &PluginArgs, args: RunArgs) -> anyhow::Result<Outc
         Some(url) => {
             let db = super::durable::open_seeded(url, args.durability, &state, args.state.is_some())?;
             let _heartbeat = Heartbeat::start(Arc::clone(&db), DEFAULT_LEASE);
-            let unfinished = db.runs()?.iter().filter(|r| r.status == "running").count();
+            let unfinished = db.unfinished_runs()?.iter().filter(|r| r.status == "running").count();
             if unfinished > 0 {
                 let name = db.name();
                 eprintln!(

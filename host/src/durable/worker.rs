@@ -171,7 +171,7 @@ async fn adopt_orphans(backend: &Arc<dyn Backend>, lease: Duration, limit: usize
         let now = now_ms();
         let mut adopted = Vec::new();
         let orphan = |r: &RunRecord| r.status == "running" && r.owner != this_process() && !holder_alive(r, now);
-        for run in backend.runs()?.into_iter().filter(orphan) {
+        for run in backend.unfinished_runs()?.into_iter().filter(orphan) {
             if adopted.len() == limit {
                 break;
             }
@@ -191,8 +191,8 @@ async fn nothing_left(
     given_up: &std::collections::HashSet<String>,
 ) -> Result<bool, DbError> {
     let backend = Arc::clone(backend);
-    let runs = blocking(move || backend.runs()).await?;
-    Ok(runs.iter().all(|r| (r.status != "queued" && r.status != "running") || given_up.contains(&r.run_id)))
+    let runs = blocking(move || backend.unfinished_runs()).await?;
+    Ok(runs.iter().all(|r| given_up.contains(&r.run_id)))
 }
 
 /// Runs a backend call, which may block on storage, off the async workers.
