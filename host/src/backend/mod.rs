@@ -9,6 +9,7 @@
 //!
 //! Every backend passes the same conformance suite (`tests/backend.rs`).
 
+mod group;
 pub mod memory;
 pub mod postgres;
 pub mod sqlite;

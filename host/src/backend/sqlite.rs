@@ -2,7 +2,9 @@
 //! journal in one SQLite database, so that a saga killed at any instant can be resumed.
 //!
 //! A call's writes, its cached result and the journal events that record it commit in one
-//! SQLite transaction: the state and the journal never disagree. The database runs in WAL
+//! SQLite transaction: the state and the journal never disagree. Steps of concurrent runs
+//! share transactions (group commit, [`super::group`]): each is still atomic on its own (a
+//! savepoint), and each caller returns only once the transaction holding its step committed. The database runs in WAL
 //! mode. `synchronous=NORMAL` (the default) survives a killed process: every committed
 //! transaction is in the WAL; after a power loss the last transactions may be lost, but the
 //! database stays consistent with its journal. `synchronous=FULL` also survives power loss
@@ -23,6 +25,7 @@ use std::time::Duration;
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 use serde_json::Value;
 
+use super::group::Group;
 use super::{
     Backend, CommitError, DbError, RegisterError, RunRecord, UNFINISHED, apply_commits, finished_status, lock, now_ms,
     this_process, write_at_once,
@@ -108,6 +111,19 @@ pub struct SqliteBackend {
     data_version: Mutex<i64>,
     /// Events with no state change, written with the next commit (or at a run's start and end).
     pending: Mutex<Vec<Event>>,
+    /// Step commits of concurrent runs, written many to a transaction.
+    group: Group<StepCommit, Result<Vec<Change>, EventsError>>,
+}
+
+/// Most steps one transaction writes: bounds how long a batch holds the write lock.
+const MAX_GROUP: usize = 256;
+
+/// One step's commit (or, without `txn`, journal records that must be written at once),
+/// owned so that whichever caller leads the group can write it.
+struct StepCommit {
+    txn: Option<Txn>,
+    result: Option<(String, Value)>,
+    events: Vec<Event>,
 }
 
 fn is_constraint(e: &rusqlite::Error) -> bool {
@@ -138,10 +154,11 @@ fn write_seed(tx: &rusqlite::Transaction, state: &State) -> rusqlite::Result<()>
     Ok(())
 }
 
-/// Why journal records were not written.
+/// Why a step was not written.
 enum EventsError {
-    /// A record of the caller's is already there.
+    /// A journal record of the caller's is already there.
     Duplicate(CommitError),
+    /// Anything else: a conflict, a cached result, or the database failed.
     Failed(CommitError),
 }
 
@@ -199,6 +216,7 @@ impl SqliteBackend {
             state: RwLock::new(State::default()),
             data_version: Mutex::new(-1),
             pending: Mutex::new(Vec::new()),
+            group: Group::new(MAX_GROUP),
         };
         backend.reload()?;
         Ok(backend)
@@ -309,43 +327,46 @@ impl SqliteBackend {
         self.reload()
     }
 
-    /// Writes the pending events, then `events`, in `tx`, and records run ends. Returns how
-    /// many pending events it handled: drop them once `tx` commits. A record that is already
-    /// there is an error for `events`; a pending one (of a run whose journal another process
-    /// took over) is dropped with a warning, so it does not fail other runs' commits.
-    fn write_events(&self, tx: &rusqlite::Transaction, events: &[Event]) -> Result<usize, EventsError> {
-        let failed = |e: &dyn std::fmt::Display| EventsError::Failed(self.commit_error(e));
+    /// Writes the pending events in `conn`'s transaction; returns how many it handled: drop
+    /// them once the transaction commits. One that is already there (of a run whose journal
+    /// another process took over) is dropped with a warning, so that it does not fail other
+    /// runs' commits.
+    fn write_pending(&self, conn: &Connection) -> Result<usize, CommitError> {
         let pending = lock(&self.pending).clone();
-        let mut insert =
-            tx.prepare_cached("INSERT INTO events (run_id, seq, body) VALUES (?1, ?2, ?3)").map_err(|e| failed(&e))?;
-        for (n, event) in pending.iter().chain(events).enumerate() {
-            let body = serde_json::to_string(event).map_err(|e| failed(&e))?;
-            match insert.execute(params![event.run_id, event.seq as i64, body]) {
-                Ok(_) => {}
-                // A failed statement leaves the transaction as it was: the others go on.
-                Err(e) if is_constraint(&e) && n < pending.len() => {
-                    tracing::warn!("dropping a journal record: {}", duplicate_event(event));
-                    continue;
-                }
-                Err(e) if is_constraint(&e) => {
-                    return Err(EventsError::Duplicate(self.commit_error(duplicate_event(event))));
-                }
-                Err(e) => return Err(failed(&e)),
-            }
-            if let Some(status) = finished_status(event) {
-                tx.execute(
-                    "UPDATE runs SET status = ?1, finished_ms = ?2 WHERE run_id = ?3",
-                    params![status, now_ms() as i64, event.run_id],
-                )
-                .map_err(|e| failed(&e))?;
+        for event in &pending {
+            match self.write_record(conn, event) {
+                Err(e) if is_constraint(&e) => tracing::warn!("dropping a journal record: {}", duplicate_event(event)),
+                Err(e) => return Err(self.commit_error(e)),
+                Ok(()) => {}
             }
         }
         Ok(pending.len())
     }
 
-    /// Forgets the first `n` pending events, which a committed transaction wrote.
-    fn written(&self, n: usize) {
-        lock(&self.pending).drain(..n);
+    /// Writes `events` in `conn`'s transaction; a record that is already there is an error.
+    fn write_events(&self, conn: &Connection, events: &[Event]) -> Result<(), EventsError> {
+        for event in events {
+            self.write_record(conn, event).map_err(|e| match is_constraint(&e) {
+                true => EventsError::Duplicate(self.commit_error(duplicate_event(event))),
+                false => EventsError::Failed(self.commit_error(e)),
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Writes one journal record, and the run's end if it ends the run.
+    fn write_record(&self, conn: &Connection, event: &Event) -> rusqlite::Result<()> {
+        let body = serde_json::to_string(event).map_err(|e| rusqlite::Error::ToSqlConversionFailure(e.into()))?;
+        conn.prepare_cached("INSERT INTO events (run_id, seq, body) VALUES (?1, ?2, ?3)")?.execute(params![
+            event.run_id,
+            event.seq as i64,
+            body
+        ])?;
+        if let Some(status) = finished_status(event) {
+            conn.prepare_cached("UPDATE runs SET status = ?1, finished_ms = ?2 WHERE run_id = ?3")?
+                .execute(params![status, now_ms() as i64, event.run_id])?;
+        }
+        Ok(())
     }
 
     /// The output cached under `key`, read in `conn`'s transaction.
@@ -380,47 +401,12 @@ impl Backend for SqliteBackend {
     }
 
     fn commit(&self, txn: &Txn, result: Option<(&str, &Value)>, events: &[Event]) -> Result<Vec<Change>, CommitError> {
-        let mut conn = lock(&self.conn);
-        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.commit_error(e))?;
-        // Under the write lock: another delivery of this call that committed first wins.
-        if let Some((key, _)) = result
-            && let Some(output) = self.cached_in(&tx, key)?
-        {
-            return Err(CommitError::AlreadyCommitted(output));
-        }
-        // The in-memory state is brought up to the database's, and the transaction is
-        // validated against it; the new version follows the database's own counter.
-        let version = self.catch_up(&tx).map_err(|e| self.commit_error(e))? + 1;
-        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
-        txn.validate(&state)?;
-        let changes = txn.changes(&state);
-        let write = || -> rusqlite::Result<()> {
-            let mut put =
-                tx.prepare_cached("INSERT OR REPLACE INTO docs (ns, key, body, version) VALUES (?1, ?2, ?3, ?4)")?;
-            for (ns, key, text) in txn.writes() {
-                let existed = state.get(ns, key).is_some();
-                put.execute(params![ns, key, text.map(|t| &**t), version as i64])?;
-                if existed != text.is_some() {
-                    tx.execute("INSERT OR REPLACE INTO namespaces VALUES (?1, ?2)", params![ns, version as i64])?;
-                }
-            }
-            if let Some((key, output)) = result {
-                let run_id = events.first().map_or("", |e| e.run_id.as_str());
-                tx.execute(
-                    "INSERT INTO results (key, run_id, output) VALUES (?1, ?2, ?3)",
-                    params![key, run_id, output.to_string()],
-                )?;
-            }
-            tx.execute("UPDATE meta SET value = ?1 WHERE name = 'version'", params![version as i64])?;
-            Ok(())
+        let step = StepCommit {
+            txn: Some(txn.clone()),
+            result: result.map(|(key, output)| (key.to_string(), output.clone())),
+            events: events.to_vec(),
         };
-        write().map_err(|e| self.commit_error(e))?;
-        let flushed = self.write_events(&tx, events).map_err(EventsError::into_commit_error)?;
-        tx.commit().map_err(|e| self.commit_error(e))?;
-        self.written(flushed);
-        state.apply(version, txn.writes());
-        // Our own commit changed data_version only for other connections; ours is current.
-        Ok(changes)
+        self.write_step(step).map_err(EventsError::into_commit_error)
     }
 
     fn record(&self, events: &[Event]) -> Result<(), CommitError> {
@@ -428,8 +414,8 @@ impl Backend for SqliteBackend {
             lock(&self.pending).extend_from_slice(events);
             return Ok(());
         }
-        match self.write_now(events) {
-            Ok(()) => Ok(()),
+        match self.write_step(StepCommit { txn: None, result: None, events: events.to_vec() }) {
+            Ok(_) => Ok(()),
             Err(EventsError::Duplicate(e)) => Err(e),
             // Kept for the next commit.
             Err(EventsError::Failed(e)) => {
@@ -593,15 +579,111 @@ impl SqliteBackend {
         rows.collect::<Result<_, _>>().map_err(|e| self.error(e))
     }
 
-    /// Writes the pending events and `events` in a transaction of their own.
-    fn write_now(&self, events: &[Event]) -> Result<(), EventsError> {
-        let failed = |e: rusqlite::Error| EventsError::Failed(self.commit_error(e));
+    /// Writes `step` in a transaction it may share with other runs' steps (group commit),
+    /// and returns once that transaction committed.
+    fn write_step(&self, step: StepCommit) -> Result<Vec<Change>, EventsError> {
+        self.group.submit(step, |steps| self.write_group(&steps)).unwrap_or_else(|_| {
+            Err(EventsError::Failed(self.commit_error("the commit sharing this step's transaction panicked")))
+        })
+    }
+
+    /// Writes `steps` in one transaction, each atomically (a savepoint): a step that is
+    /// refused (a conflict, a cached result, a journal record already there) writes nothing
+    /// and the others go on. If the transaction fails, every step fails with it.
+    fn write_group(&self, steps: &[StepCommit]) -> Vec<Result<Vec<Change>, EventsError>> {
         let mut conn = lock(&self.conn);
-        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(failed)?;
-        let flushed = self.write_events(&tx, events)?;
-        tx.commit().map_err(failed)?;
-        self.written(flushed);
-        Ok(())
+        match self.try_write_group(&mut conn, steps) {
+            Ok(outcomes) => outcomes,
+            Err(e) => steps.iter().map(|_| Err(EventsError::Failed(e.clone()))).collect(),
+        }
+    }
+
+    fn try_write_group(
+        &self,
+        conn: &mut Connection,
+        steps: &[StepCommit],
+    ) -> Result<Vec<Result<Vec<Change>, EventsError>>, CommitError> {
+        let mut tx =
+            conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.commit_error(e))?;
+        // Validated against the database's state; versions follow the database's counter.
+        let base = self.catch_up(&tx).map_err(|e| self.commit_error(e))?;
+        let mut state = self.state.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let flushed = self.write_pending(&tx)?;
+        let mut version = base;
+        let mut outcomes = Vec::with_capacity(steps.len());
+        for step in steps {
+            let savepoint = tx.savepoint().map_err(|e| self.commit_error(e))?;
+            let outcome = self.write_one(&savepoint, &state, version + 1, step);
+            if outcome.is_ok() {
+                savepoint.commit().map_err(|e| self.commit_error(e))?;
+                if let Some(txn) = &step.txn {
+                    version += 1;
+                    state.apply(version, txn.writes());
+                }
+            } else {
+                // Rolls the step back to the savepoint and releases it.
+                savepoint.finish().map_err(|e| self.commit_error(e))?;
+            }
+            outcomes.push(outcome);
+        }
+        if version > base {
+            tx.execute("UPDATE meta SET value = ?1 WHERE name = 'version'", params![version as i64])
+                .map_err(|e| self.commit_error(e))?;
+        }
+        tx.commit().map_err(|e| self.commit_error(e))?;
+        lock(&self.pending).drain(..flushed);
+        // Our own commit changed data_version only for other connections; ours is current.
+        *self.state.write().unwrap_or_else(|p| p.into_inner()) = state;
+        Ok(outcomes)
+    }
+
+    /// Writes one step in `conn`'s transaction as version `version`, against `state` (the
+    /// database's, with the group's earlier steps).
+    fn write_one(
+        &self,
+        conn: &Connection,
+        state: &State,
+        version: u64,
+        step: &StepCommit,
+    ) -> Result<Vec<Change>, EventsError> {
+        let failed = |e: rusqlite::Error| EventsError::Failed(self.commit_error(e));
+        // Under the write lock: another delivery of this call that committed first wins.
+        if let Some((key, _)) = &step.result
+            && let Some(output) = self.cached_in(conn, key).map_err(EventsError::Failed)?
+        {
+            return Err(EventsError::Failed(CommitError::AlreadyCommitted(output)));
+        }
+        let mut changes = Vec::new();
+        if let Some(txn) = &step.txn {
+            txn.validate(state).map_err(|e| EventsError::Failed(e.into()))?;
+            changes = txn.changes(state);
+            let mut put = conn
+                .prepare_cached("INSERT OR REPLACE INTO docs (ns, key, body, version) VALUES (?1, ?2, ?3, ?4)")
+                .map_err(failed)?;
+            for (ns, key, text) in txn.writes() {
+                let existed = state.get(ns, key).is_some();
+                put.execute(params![ns, key, text.map(|t| &**t), version as i64]).map_err(failed)?;
+                if existed != text.is_some() {
+                    conn.prepare_cached("INSERT OR REPLACE INTO namespaces VALUES (?1, ?2)")
+                        .and_then(|mut s| s.execute(params![ns, version as i64]))
+                        .map_err(failed)?;
+                }
+            }
+        }
+        if let Some((key, output)) = &step.result {
+            let run_id = step.events.first().map_or("", |e| e.run_id.as_str());
+            conn.prepare_cached("INSERT INTO results (key, run_id, output) VALUES (?1, ?2, ?3)")
+                .and_then(|mut s| s.execute(params![key, run_id, output.to_string()]))
+                .map_err(failed)?;
+        }
+        self.write_events(conn, &step.events)?;
+        Ok(changes)
+    }
+
+    /// Transactions that wrote steps so far (fewer than the steps when concurrent runs'
+    /// commits were grouped).
+    pub fn transactions(&self) -> u64 {
+        self.group.batches()
     }
 }
 
@@ -694,6 +776,96 @@ mod tests {
         txn.put("pools", "q", "{}").unwrap();
         b.commit(&txn, None, &[event("other", 1, EventKind::StepCompleted)]).unwrap();
         assert_eq!(b.events("other").unwrap().len(), 2);
+    }
+
+    /// A step that adds one to the counter `pools/{counter}` and writes `marks/{key}`.
+    fn step(db: &SqliteBackend, counter: &str, key: &str, result: Option<&str>, event: Event) -> StepCommit {
+        let mut txn = Txn::new(db.snapshot(), WriteQuota::default());
+        let n = txn
+            .get("pools", counter)
+            .map_or(0, |t| serde_json::from_str::<Value>(&t).unwrap()["allocated"].as_u64().unwrap());
+        txn.put("pools", counter, &json!({ "allocated": n + 1 }).to_string()).unwrap();
+        txn.put("marks", key, "{}").unwrap();
+        StepCommit { txn: Some(txn), result: result.map(|k| (k.to_string(), json!(key))), events: vec![event] }
+    }
+
+    #[test]
+    fn a_group_writes_each_step_atomically_and_refuses_only_the_bad_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let db = open(&path);
+        db.seed(&state()).unwrap();
+        db.commit(&Txn::new(db.snapshot(), WriteQuota::default()), Some(("cached", &json!("first"))), &[]).unwrap();
+        db.record(&[event("r", 0, EventKind::SagaStarted)]).unwrap();
+        let steps = vec![
+            step(&db, "p", "a", Some("ka"), event("r", 1, EventKind::StepCompleted)),
+            // Read the counter before `a` wrote it, in the same transaction: a conflict.
+            step(&db, "p", "stale", None, event("s", 0, EventKind::StepCompleted)),
+            // Another delivery of a call that committed before.
+            step(&db, "p", "again", Some("cached"), event("t", 0, EventKind::StepCompleted)),
+            // A journal record that is already there.
+            step(&db, "q", "dup", None, event("r", 0, EventKind::StepCompleted)),
+            StepCommit { txn: None, result: None, events: vec![event("r", 2, EventKind::SagaFinished)] },
+        ];
+        let outcomes = db.write_group(&steps);
+        assert_eq!(outcomes[0].as_ref().ok().map(Vec::len), Some(2));
+        assert!(matches!(&outcomes[1], Err(EventsError::Failed(CommitError::Conflict(c))) if c.key == "p"));
+        assert!(matches!(&outcomes[2], Err(EventsError::Failed(CommitError::AlreadyCommitted(v))) if v == "first"));
+        assert!(matches!(&outcomes[3], Err(EventsError::Duplicate(_))));
+        assert!(outcomes[4].is_ok());
+        // What a refused step wrote before it was refused is gone; the others are durable.
+        drop(db);
+        let db = open(&path);
+        assert_eq!(allocated(&db), 1);
+        let marks: Vec<String> =
+            db.current_state().unwrap().namespace("marks").unwrap().iter().map(|(k, _)| k.clone()).collect();
+        assert_eq!(marks, ["a"]);
+        assert!(db.current_state().unwrap().get("pools", "q").is_none());
+        assert_eq!(db.cached("ka"), Some(json!("a")));
+        let kinds: Vec<EventKind> = db.events("r").unwrap().into_iter().map(|e| e.event).collect();
+        assert_eq!(kinds, [EventKind::SagaStarted, EventKind::StepCompleted, EventKind::SagaFinished]);
+        assert!(db.events("s").unwrap().is_empty() && db.events("t").unwrap().is_empty());
+    }
+
+    #[test]
+    fn concurrent_commits_share_transactions_and_every_acknowledged_one_is_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let db = std::sync::Arc::new(SqliteBackend::open(&path, Durability::Full).unwrap());
+        db.seed(&state()).unwrap();
+        let (threads, commits) = (8, 40);
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(threads));
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let (db, barrier) = (db.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    let run = format!("run{t}");
+                    for seq in 0..commits {
+                        // Each run writes its own counter: nothing conflicts, so nothing may fail.
+                        let StepCommit { txn, events, .. } =
+                            step(&db, &run, &format!("{t}-{seq}"), None, event(&run, seq, EventKind::StepCompleted));
+                        db.commit(&txn.unwrap(), None, &events).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for handle in handles {
+            handle.join().unwrap();
+        }
+        let total = (threads * commits as usize) as u64;
+        let transactions = db.transactions();
+        drop(db);
+        let db = open(&path);
+        let state = db.current_state().unwrap();
+        assert_eq!(state.namespace("marks").unwrap().len() as u64, total);
+        for t in 0..threads {
+            let counter: Value = serde_json::from_str(&state.get("pools", &format!("run{t}")).unwrap().text).unwrap();
+            assert_eq!(counter["allocated"], commits, "a commit of run{t} was lost or applied twice");
+            let seqs: Vec<u64> = db.events(&format!("run{t}")).unwrap().iter().map(|e| e.seq).collect();
+            assert_eq!(seqs, (0..commits).collect::<Vec<_>>());
+        }
+        assert!(transactions < total, "{transactions} transactions for {total} commits: none were grouped");
     }
 
     #[test]

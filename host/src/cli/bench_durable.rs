@@ -130,6 +130,17 @@ pub async fn run(
         out.rates
             .push((format!("durable ct1 sagas/s, one at a time, {} (journal {bytes} bytes/saga)", db.label()), rate));
     }
+    for durability in [Durability::Normal, Durability::Full] {
+        let db = fresh_sqlite(durability)?;
+        let (rate, per_transaction) = concurrent_ct1(runtime, &db, sagas_dir, sagas / 4, 64).await?;
+        out.rates.push((
+            format!(
+                "durable ct1 sagas/s, 64 in flight, one process, {} ({per_transaction:.1} steps per transaction)",
+                db.label()
+            ),
+            rate,
+        ));
+    }
     match pg_url {
         Some(server) => {
             let mut queues: Vec<(usize, Fresh)> = Vec::new();
@@ -205,6 +216,46 @@ async fn sequential_ct1(
         }
     }
     Ok((sagas as f64 / started.elapsed().as_secs_f64(), backend.journal_bytes("d0")?))
+}
+
+/// CT1 sagas, `in_flight` at a time, in one process on the SQLite database `db`: concurrent
+/// runs' steps share transactions (group commit). Returns sagas/s and steps per transaction.
+async fn concurrent_ct1(
+    runtime: &Arc<Runtime>,
+    db: &Fresh,
+    sagas_dir: &Path,
+    sagas: usize,
+    in_flight: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let (saga, state, input) = shipped_saga(runtime, sagas_dir, "ct1-payment-failure")?;
+    let backend = Arc::new(backend::SqliteBackend::open(Path::new(&db.url()), db.durability())?);
+    backend.seed_if_new(&state)?;
+    let saga = Arc::new(saga);
+    let per_task = sagas.div_ceil(in_flight);
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..in_flight)
+        .map(|t| {
+            let (runtime, saga, backend, input) = (runtime.clone(), saga.clone(), backend.clone(), input.clone());
+            tokio::spawn(async move {
+                for i in 0..per_task {
+                    let run_id = format!("c{t}-{i}");
+                    let record = RunRecord::starting(&run_id, &saga.name, "ct1.json", String::new(), &input, 0);
+                    backend.register_run(&record)?;
+                    let report = saga::run(&runtime, &saga, &*backend, RunOptions::new(run_id, input.clone())).await;
+                    if report.status != Status::Failed {
+                        anyhow::bail!("durable ct1 ended {:?}: {:?}", report.status, report.error);
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await??;
+    }
+    let rate = (per_task * in_flight) as f64 / started.elapsed().as_secs_f64();
+    let steps: usize = backend.runs()?.iter().map(|r| backend.events(&r.run_id).map_or(0, |e| e.len())).sum();
+    Ok((rate, steps as f64 / backend.transactions().max(1) as f64))
 }
 
 /// Queues `runs` CT1 runs in `db` and times `workers` `sagabox worker` processes draining

@@ -64,7 +64,7 @@ pub struct Conflict {
 type Key = (String, String);
 
 /// Reads and buffered writes of one call.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Txn {
     base: State,
     quota: WriteQuota,

@@ -1,0 +1,168 @@
+//! Group commit: callers that commit at the same time share one transaction.
+//!
+//! Each caller queues its request and waits. Whoever finds no batch being written becomes
+//! the leader: it takes every request queued so far (its own among them), writes them in
+//! one transaction, hands each caller its outcome, and wakes them. Requests that arrive
+//! meanwhile form the next batch. One caller alone is a batch of one, so nothing waits for
+//! company; under load, the transaction's fixed cost (and its fsync) is shared.
+
+use std::collections::HashMap;
+use std::sync::{Condvar, Mutex, MutexGuard};
+
+use super::lock;
+
+/// Requests of type `R` waiting to be written, and outcomes of type `O` to hand back.
+pub struct Group<R, O> {
+    queue: Mutex<Queue<R, O>>,
+    done: Condvar,
+    /// Most requests one batch takes: a bound on how long its transaction runs.
+    max_batch: usize,
+}
+
+struct Queue<R, O> {
+    waiting: Vec<(u64, R)>,
+    /// Outcomes not yet taken by their caller; `None`: the batch's leader panicked.
+    outcomes: HashMap<u64, Option<O>>,
+    next_ticket: u64,
+    leading: bool,
+    /// Batches written so far: how well requests were grouped.
+    batches: u64,
+}
+
+/// The leader of the batch that held a request panicked; nothing is known of its outcome.
+#[derive(Debug)]
+pub struct LeaderPanicked;
+
+impl<R, O> Group<R, O> {
+    pub fn new(max_batch: usize) -> Group<R, O> {
+        Group {
+            queue: Mutex::new(Queue {
+                waiting: Vec::new(),
+                outcomes: HashMap::new(),
+                next_ticket: 0,
+                leading: false,
+                batches: 0,
+            }),
+            done: Condvar::new(),
+            max_batch: max_batch.max(1),
+        }
+    }
+
+    /// Queues `request` and returns its outcome once a batch holding it was written by
+    /// `write`, which gets the batch's requests in arrival order and returns their outcomes
+    /// in the same order.
+    pub fn submit(&self, request: R, write: impl Fn(Vec<R>) -> Vec<O>) -> Result<O, LeaderPanicked> {
+        let mut queue = lock(&self.queue);
+        let ticket = queue.next_ticket;
+        queue.next_ticket += 1;
+        queue.waiting.push((ticket, request));
+        loop {
+            if let Some(outcome) = queue.outcomes.remove(&ticket) {
+                return outcome.ok_or(LeaderPanicked);
+            }
+            if queue.leading {
+                queue = self.done.wait(queue).unwrap_or_else(|p| p.into_inner());
+                continue;
+            }
+            queue.leading = true;
+            let take = queue.waiting.len().min(self.max_batch);
+            let (tickets, requests): (Vec<u64>, Vec<R>) = queue.waiting.drain(..take).unzip();
+            drop(queue);
+            let mut leading = Leading { group: self, tickets };
+            let outcomes = write(requests);
+            queue = leading.finish(outcomes);
+        }
+    }
+
+    /// Batches written so far.
+    pub fn batches(&self) -> u64 {
+        lock(&self.queue).batches
+    }
+}
+
+/// A batch being written: its callers learn its outcome even if `write` panics.
+struct Leading<'a, R, O> {
+    group: &'a Group<R, O>,
+    tickets: Vec<u64>,
+}
+
+impl<'a, R, O> Leading<'a, R, O> {
+    fn finish(&mut self, outcomes: Vec<O>) -> MutexGuard<'a, Queue<R, O>> {
+        let mut queue = lock(&self.group.queue);
+        let mut outcomes = outcomes.into_iter();
+        for ticket in std::mem::take(&mut self.tickets) {
+            // A missing outcome is reported like a panic: never a hang.
+            queue.outcomes.insert(ticket, outcomes.next());
+        }
+        queue.leading = false;
+        queue.batches += 1;
+        self.group.done.notify_all();
+        queue
+    }
+}
+
+impl<R, O> Drop for Leading<'_, R, O> {
+    fn drop(&mut self) {
+        if self.tickets.is_empty() {
+            return;
+        }
+        let mut queue = lock(&self.group.queue);
+        for ticket in std::mem::take(&mut self.tickets) {
+            queue.outcomes.insert(ticket, None);
+        }
+        queue.leading = false;
+        self.group.done.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Barrier};
+
+    #[test]
+    fn concurrent_callers_share_batches_and_each_gets_its_own_outcome() {
+        let group = Arc::new(Group::<u32, u32>::new(64));
+        let callers = 16;
+        let barrier = Arc::new(Barrier::new(callers));
+        let threads: Vec<_> = (0..callers as u32)
+            .map(|n| {
+                let (group, barrier) = (group.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    (0..50)
+                        .map(|i| {
+                            let request = n * 1000 + i;
+                            let outcome = group
+                                .submit(request, |batch| {
+                                    // Long enough for others to queue behind the leader.
+                                    std::thread::sleep(std::time::Duration::from_micros(200));
+                                    batch.iter().map(|r| r * 2).collect()
+                                })
+                                .unwrap();
+                            (request, outcome)
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        for thread in threads {
+            for (request, outcome) in thread.join().unwrap() {
+                assert_eq!(outcome, request * 2);
+            }
+        }
+        let batches = group.batches();
+        assert!(batches < 16 * 50 / 2, "{batches} batches for 800 requests: they were not grouped");
+    }
+
+    #[test]
+    fn a_panicking_leader_fails_its_batch_and_later_requests_go_on() {
+        let group = Group::<u32, u32>::new(8);
+        let panicked =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| group.submit(1, |_| panic!("the writer failed"))));
+        assert!(panicked.is_err());
+        assert_eq!(group.submit(2, |batch| batch).unwrap(), 2);
+        let short = group.submit(3, |_| Vec::new());
+        assert!(short.is_err(), "a request without an outcome must not hang or invent one");
+    }
+}
