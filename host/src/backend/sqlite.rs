@@ -132,7 +132,9 @@ fn is_constraint(e: &rusqlite::Error) -> bool {
 
 /// The last commit's version, as the database counts them.
 fn db_version(conn: &Connection) -> rusqlite::Result<u64> {
-    conn.query_row("SELECT value FROM meta WHERE name = 'version'", [], |r| r.get::<_, i64>(0)).map(|v| v as u64)
+    conn.prepare_cached("SELECT value FROM meta WHERE name = 'version'")?
+        .query_row([], |r| r.get::<_, i64>(0))
+        .map(|v| v as u64)
 }
 
 /// Whether the database holds no state and no run, and was never seeded.
@@ -372,7 +374,8 @@ impl SqliteBackend {
     /// The output cached under `key`, read in `conn`'s transaction.
     fn cached_in(&self, conn: &Connection, key: &str) -> Result<Option<Value>, CommitError> {
         let text: Option<String> = conn
-            .query_row("SELECT output FROM results WHERE key = ?1", params![key], |r| r.get(0))
+            .prepare_cached("SELECT output FROM results WHERE key = ?1")
+            .and_then(|mut s| s.query_row(params![key], |r| r.get(0)))
             .optional()
             .map_err(|e| self.commit_error(e))?;
         text.map(|t| serde_json::from_str(&t).map_err(|e| self.commit_error(format!("cached result {key}: {e}"))))
@@ -381,7 +384,7 @@ impl SqliteBackend {
 }
 
 fn data_version(conn: &Connection) -> rusqlite::Result<i64> {
-    conn.query_row("PRAGMA data_version", [], |r| r.get(0))
+    conn.prepare_cached("PRAGMA data_version")?.query_row([], |r| r.get(0))
 }
 
 /// Whether `conn` holds sagabox's tables.
@@ -461,10 +464,11 @@ impl Backend for SqliteBackend {
     }
 
     fn register_run(&self, run: &RunRecord) -> Result<(), RegisterError> {
-        let inserted = lock(&self.conn).execute(
+        let conn = lock(&self.conn);
+        let inserted = conn.prepare_cached(
             "INSERT INTO runs (run_id, saga, saga_path, definition, input, seed, status, pid, owner, lease_until_ms, started_ms)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-            params![
+        ).and_then(|mut insert| insert.execute(params![
                 run.run_id,
                 run.saga,
                 run.saga_path,
@@ -476,8 +480,7 @@ impl Backend for SqliteBackend {
                 run.owner,
                 run.lease_until_ms.map(|t| t as i64),
                 now_ms() as i64
-            ],
-        );
+            ]));
         match inserted {
             Ok(_) => Ok(()),
             Err(e) if is_constraint(&e) => {
@@ -603,31 +606,32 @@ impl SqliteBackend {
         conn: &mut Connection,
         steps: &[StepCommit],
     ) -> Result<Vec<Result<Vec<Change>, EventsError>>, CommitError> {
-        let mut tx =
-            conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.commit_error(e))?;
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.commit_error(e))?;
         // Validated against the database's state; versions follow the database's counter.
         let base = self.catch_up(&tx).map_err(|e| self.commit_error(e))?;
         let mut state = self.state.read().unwrap_or_else(|p| p.into_inner()).clone();
         let flushed = self.write_pending(&tx)?;
         let mut version = base;
         let mut outcomes = Vec::with_capacity(steps.len());
+        // Savepoint statements prepared once: parsing them per step cost more than writing.
+        let statement =
+            |sql: &str| tx.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(|e| self.commit_error(e));
         for step in steps {
-            let savepoint = tx.savepoint().map_err(|e| self.commit_error(e))?;
-            let outcome = self.write_one(&savepoint, &state, version + 1, step);
-            if outcome.is_ok() {
-                savepoint.commit().map_err(|e| self.commit_error(e))?;
-                if let Some(txn) = &step.txn {
-                    version += 1;
-                    state.apply(version, txn.writes());
-                }
-            } else {
-                // Rolls the step back to the savepoint and releases it.
-                savepoint.finish().map_err(|e| self.commit_error(e))?;
+            statement("SAVEPOINT step")?;
+            let outcome = self.write_one(&tx, &state, version + 1, step);
+            if outcome.is_err() {
+                statement("ROLLBACK TO step")?;
+            }
+            statement("RELEASE step")?;
+            if let (Ok(_), Some(txn)) = (&outcome, &step.txn) {
+                version += 1;
+                state.apply(version, txn.writes());
             }
             outcomes.push(outcome);
         }
         if version > base {
-            tx.execute("UPDATE meta SET value = ?1 WHERE name = 'version'", params![version as i64])
+            tx.prepare_cached("UPDATE meta SET value = ?1 WHERE name = 'version'")
+                .and_then(|mut s| s.execute(params![version as i64]))
                 .map_err(|e| self.commit_error(e))?;
         }
         tx.commit().map_err(|e| self.commit_error(e))?;
