@@ -1,14 +1,25 @@
 //! Digests and diffs of store states.
 //!
-//! A namespace's digest is the SHA-256 of its documents in key order, each contributing
-//! `len(key) as u64 LE ‖ key ‖ SHA-256(canonical document)`; the overall digest is the
-//! SHA-256 of the namespaces in name order, each contributing `len(name) as u64 LE ‖ name ‖
-//! namespace digest`. Per-document hashes are kept with the documents and namespace digests
-//! are cached until the namespace changes, so digesting a state after a saga costs only the
-//! namespaces the saga touched. Empty namespaces do not exist: deleting the last document of
-//! a namespace removes it, so a state restored by compensation digests like the original.
+//! A namespace's documents fall into [`BUCKETS`] buckets by a hash of their key (FNV-1a's
+//! low byte). A bucket's digest is the SHA-256 of its documents in key order, each
+//! contributing `len(key) as u64 LE ‖ key ‖ SHA-256(canonical document)`; a namespace's
+//! digest is the SHA-256 of its non-empty buckets in bucket order, each contributing
+//! `bucket number as u8 ‖ bucket digest`; the overall digest is the SHA-256 of the
+//! namespaces in name order, each contributing `len(name) as u64 LE ‖ name ‖ namespace
+//! digest`.
+//!
+//! Per-document hashes are kept with the documents; the first digest of a namespace indexes
+//! its buckets, and from then on every write updates that index and forgets only its own
+//! bucket's digest. A state derived from a digested one (a verification case's, from the
+//! fixture's) therefore digests in O(buckets + the documents of the buckets it touched)
+//! instead of O(its size). Empty namespaces do not exist: deleting the last document of a
+//! namespace removes it, so a state restored by compensation digests like the original.
 
 use std::collections::BTreeMap;
+use std::sync::OnceLock;
+
+use imbl::OrdMap;
+use imbl::ordmap::DiffItem;
 
 use serde::Serialize;
 use serde_json::Value;
@@ -28,17 +39,85 @@ fn length_prefixed(hasher: &mut Sha256, name: &str) {
     hasher.update(name.as_bytes());
 }
 
+/// Buckets per namespace: a namespace's digest hashes one digest per non-empty bucket, and a
+/// write re-hashes only its bucket's documents (about size/256 of them).
+pub const BUCKETS: usize = 256;
+
+/// The bucket of a document's key: FNV-1a's low byte (stable, cheap, and needing no
+/// collision resistance: a plugin that crowds one bucket only makes its digest slower).
+fn bucket_of(key: &str) -> u8 {
+    let mut hash: u32 = 0x811c_9dc5;
+    for byte in key.bytes() {
+        hash = (hash ^ u32::from(byte)).wrapping_mul(0x0100_0193);
+    }
+    (hash % BUCKETS as u32) as u8
+}
+
+/// One bucket: its documents' hashes by key, and its digest, computed on first use.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Bucket {
+    docs: OrdMap<String, [u8; 32]>,
+    digest: OnceLock<[u8; 32]>,
+}
+
+impl Bucket {
+    fn digest(&self) -> [u8; 32] {
+        *self.digest.get_or_init(|| {
+            let mut hasher = Sha256::new();
+            for (key, hash) in self.docs.iter() {
+                length_prefixed(&mut hasher, key);
+                hasher.update(hash);
+            }
+            hasher.finalize().into()
+        })
+    }
+}
+
+/// A namespace's non-empty buckets by number (a persistent map: copies share it).
+pub(super) type Buckets = OrdMap<u8, Bucket>;
+
 impl Namespace {
     /// This namespace's digest (cached).
     pub fn digest(&self) -> [u8; 32] {
         *self.digest.get_or_init(|| {
+            let buckets = self.buckets.get_or_init(|| {
+                let mut buckets = Buckets::new();
+                for (key, doc) in self.docs.iter() {
+                    buckets.entry(bucket_of(key)).or_default().docs.insert(key.clone(), doc.hash);
+                }
+                buckets
+            });
             let mut hasher = Sha256::new();
-            for (key, doc) in self.docs.iter() {
-                length_prefixed(&mut hasher, key);
-                hasher.update(doc.hash);
+            for (number, bucket) in buckets.iter() {
+                hasher.update([*number]);
+                hasher.update(bucket.digest());
             }
             hasher.finalize().into()
         })
+    }
+
+    /// Forgets the digests a write of `key` changes (`hash`: the new document's, `None`
+    /// when deleted), keeping the bucket index up to date if a digest built it.
+    pub(super) fn forget_digest(&mut self, key: &str, hash: Option<[u8; 32]>) {
+        self.digest = OnceLock::new();
+        let Some(buckets) = self.buckets.get_mut() else { return };
+        let number = bucket_of(key);
+        match hash {
+            Some(hash) => {
+                let bucket = buckets.entry(number).or_default();
+                bucket.docs.insert(key.to_string(), hash);
+                bucket.digest = OnceLock::new();
+            }
+            None => {
+                if let Some(bucket) = buckets.get_mut(&number) {
+                    bucket.docs.remove(key);
+                    bucket.digest = OnceLock::new();
+                    if bucket.docs.is_empty() {
+                        buckets.remove(&number);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -100,16 +179,12 @@ pub fn diff(before: &State, after: &State, excluded: &[String]) -> Diff {
         if old.digest() == new.digest() {
             continue;
         }
-        let mut keys: Vec<&String> = old.iter().map(|(k, _)| k).chain(new.iter().map(|(k, _)| k)).collect();
-        keys.sort();
-        keys.dedup();
-        for key in keys {
-            let (a, b) = (old.get(key), new.get(key));
-            let change = match (a, b) {
-                (Some(a), Some(b)) if a.hash == b.hash => continue,
-                (Some(_), Some(_)) => "changed",
-                (Some(_), None) => "removed",
-                (None, _) => "added",
+        // imbl skips the subtrees both versions share: O(what changed), not O(size).
+        for item in old.docs.diff(&new.docs) {
+            let (key, a, b, change) = match item {
+                DiffItem::Update { old: (key, a), new: (_, b) } => (key, Some(a), Some(b), "changed"),
+                DiffItem::Remove(key, a) => (key, Some(a), None, "removed"),
+                DiffItem::Add(key, b) => (key, None, Some(b), "added"),
             };
             let before = a.map(|d| parse(&d.text));
             let after = b.map(|d| parse(&d.text));
@@ -193,6 +268,73 @@ mod tests {
         store.commit(&remove).unwrap();
         assert_eq!(store.snapshot().digest(), initial.digest());
         assert!(store.snapshot().namespace("reservations").is_none());
+    }
+
+    /// Writes as `(namespace, key, document or None to delete)`, small alphabets so that
+    /// writes hit the same keys, empty namespaces and shared buckets.
+    fn writes() -> impl proptest::strategy::Strategy<Value = Vec<(u8, u16, Option<u8>)>> {
+        proptest::collection::vec((0..3u8, 0..600u16, proptest::option::of(0..4u8)), 0..80)
+    }
+
+    fn apply_all(store: &MemoryStore, writes: &[(u8, u16, Option<u8>)]) {
+        for (ns, key, doc) in writes {
+            let mut txn = Txn::new(store.snapshot(), WriteQuota::default());
+            let (ns, key) = (format!("ns{ns}"), format!("k{key}"));
+            match doc {
+                Some(n) => txn.put(&ns, &key, &json!({ "n": n }).to_string()).unwrap(),
+                None => drop(txn.delete(&ns, &key).unwrap()),
+            }
+            store.commit(&txn).unwrap();
+        }
+    }
+
+    /// A big starting state: every bucket of `ns0` holds documents.
+    fn big() -> State {
+        let docs: serde_json::Map<String, Value> = (0..600).map(|k| (format!("k{k}"), json!({ "n": k % 7 }))).collect();
+        State::from_json(&json!({ "ns0": docs, "ns1": { "k1": {} } })).unwrap()
+    }
+
+    proptest::proptest! {
+        /// The bucket index kept up to date write by write gives the digest a state built
+        /// from scratch with the same documents gives, and diffs list exactly the documents
+        /// whose texts differ.
+        #[test]
+        fn digests_kept_up_to_date_equal_digests_from_scratch(first in writes(), second in writes()) {
+            let initial = big();
+            let before = initial.digests();
+            let store = MemoryStore::new(initial.clone());
+            apply_all(&store, &first);
+            let middle = store.snapshot();
+            let middle_digests = middle.digests();
+            apply_all(&store, &second);
+            let after = store.snapshot();
+            let scratch = State::from_json(&after.to_json()).unwrap();
+            proptest::prop_assert_eq!(after.digests(), scratch.digests());
+            proptest::prop_assert_eq!(
+                State::from_json(&middle.to_json()).unwrap().digests(), middle_digests
+            );
+            // The snapshots taken earlier still digest as they did.
+            proptest::prop_assert_eq!(initial.digests(), before);
+            let expected: Vec<(String, String)> = {
+                let (a, b) = (initial.to_json(), after.to_json());
+                let mut keys = Vec::new();
+                for ns in ["ns0", "ns1", "ns2"] {
+                    let mut names: Vec<&String> = a.get(ns).and_then(Value::as_object).into_iter().flat_map(|m| m.keys())
+                        .chain(b.get(ns).and_then(Value::as_object).into_iter().flat_map(|m| m.keys())).collect();
+                    names.sort();
+                    names.dedup();
+                    for key in names {
+                        if a.pointer(&format!("/{ns}/{key}")) != b.pointer(&format!("/{ns}/{key}")) {
+                            keys.push((ns.to_string(), key.clone()));
+                        }
+                    }
+                }
+                keys
+            };
+            let listed: Vec<(String, String)> =
+                diff(&initial, &after, &[]).into_iter().map(|d| (d.namespace, d.key)).collect();
+            proptest::prop_assert_eq!(listed, expected);
+        }
     }
 
     #[test]

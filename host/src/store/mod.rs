@@ -33,6 +33,13 @@ pub struct Doc {
     pub version: u64,
 }
 
+/// Documents are equal when their texts are (whichever commit wrote them).
+impl PartialEq for Doc {
+    fn eq(&self, other: &Doc) -> bool {
+        self.hash == other.hash
+    }
+}
+
 impl Doc {
     fn new(text: Arc<str>, version: u64) -> Doc {
         let hash = Sha256::digest(text.as_bytes()).into();
@@ -48,6 +55,9 @@ pub struct Namespace {
     keys_version: u64,
     /// The namespace's digest, computed on first use after a change.
     digest: OnceLock<[u8; 32]>,
+    /// Its documents' hashes by digest bucket, indexed by the first digest and kept up to
+    /// date by writes after it (see `digest`).
+    buckets: OnceLock<digest::Buckets>,
 }
 
 impl Namespace {
@@ -189,9 +199,10 @@ impl State {
     ) {
         for (ns, key, text) in writes {
             let namespace = self.namespaces.entry(ns.to_string()).or_default();
-            namespace.digest = OnceLock::new();
-            let existed = match text {
-                Some(text) => namespace.docs.insert(key.to_string(), Doc::new(text.clone(), version)).is_some(),
+            let doc = text.map(|text| Doc::new(text.clone(), version));
+            namespace.forget_digest(key, doc.as_ref().map(|d| d.hash));
+            let existed = match doc {
+                Some(doc) => namespace.docs.insert(key.to_string(), doc).is_some(),
                 None => namespace.docs.remove(key).is_some(),
             };
             if existed != text.is_some() {

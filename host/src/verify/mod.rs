@@ -487,6 +487,9 @@ pub(crate) async fn run_cases(
     let permits = Arc::new(tokio::sync::Semaphore::new(options.concurrency.max(1)));
     let (mut done, mut latencies, mut all) = (0, Vec::new(), Vec::new());
     for saga in &prepared.sagas {
+        // Digested once before the cases copy it, so that each case's state keeps its bucket
+        // index and digests in O(what the case touched).
+        saga.subject.initial.digest();
         let tasks: Vec<_> =
             saga.cases.iter().map(|(_, case)| spawn_case(runtime, saga, case, &permits, options)).collect();
         let mut outcomes = Vec::with_capacity(tasks.len());
