@@ -135,7 +135,7 @@ pub async fn run(
         let (rate, per_transaction) = concurrent_ct1(runtime, &db, sagas_dir, sagas / 4, 64).await?;
         out.rates.push((
             format!(
-                "durable ct1 sagas/s, 64 in flight, one process, {} ({per_transaction:.1} steps per transaction)",
+                "durable ct1 sagas/s, 64 in flight, one process, {} ({per_transaction:.1} journal records per transaction)",
                 db.label()
             ),
             rate,
