@@ -136,14 +136,15 @@ async fn a_cancelled_call_stops_and_writes_nothing() {
     let transactions = transactions(runtime, Arc::clone(&backend));
     let tx = transactions.begin(None, None).unwrap();
     let cancel = CancellationToken::new();
-    // `hostile.spin` writes a scratch document, then loops until its deadline.
+    // `hostile.spin` loops until it is stopped: by the cancel, or by its fuel (10⁹ units, a
+    // few hundred ms of CPU on a fast core), so the cancel comes well before that.
     let mut spin = request("hostile.spin", json!({}));
     spin.cancel = cancel.clone();
     let call = tokio::spawn({
         let tx = tx.clone();
         async move { tx.call(spin).await }
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
     cancel.cancel();
     let reply = tokio::time::timeout(Duration::from_secs(5), call).await.expect("cancelled in time").unwrap().unwrap();
     match reply {
