@@ -68,7 +68,7 @@ impl<R, O> Group<R, O> {
             let take = queue.waiting.len().min(self.max_batch);
             let (tickets, requests): (Vec<u64>, Vec<R>) = queue.waiting.drain(..take).unzip();
             drop(queue);
-            let mut leading = Leading { group: self, tickets };
+            let mut leading = Leading { group: self, tickets, own: ticket };
             let outcomes = write(requests);
             queue = leading.finish(outcomes);
         }
@@ -84,6 +84,8 @@ impl<R, O> Group<R, O> {
 struct Leading<'a, R, O> {
     group: &'a Group<R, O>,
     tickets: Vec<u64>,
+    /// The leader's own ticket: if it panics, nobody is left to collect that outcome.
+    own: u64,
 }
 
 impl<'a, R, O> Leading<'a, R, O> {
@@ -108,8 +110,13 @@ impl<R, O> Drop for Leading<'_, R, O> {
         }
         let mut queue = lock(&self.group.queue);
         for ticket in std::mem::take(&mut self.tickets) {
-            queue.outcomes.insert(ticket, None);
+            if ticket != self.own {
+                queue.outcomes.insert(ticket, None);
+            }
         }
+        // The leader's own request, if a later batch was to hold it, is withdrawn with it.
+        let own = self.own;
+        queue.waiting.retain(|(ticket, _)| *ticket != own);
         queue.leading = false;
         self.group.done.notify_all();
     }
@@ -162,6 +169,7 @@ mod tests {
             std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| group.submit(1, |_| panic!("the writer failed"))));
         assert!(panicked.is_err());
         assert_eq!(group.submit(2, |batch| batch).unwrap(), 2);
+        assert!(lock(&group.queue).outcomes.is_empty(), "an outcome nobody collects was kept");
         let short = group.submit(3, |_| Vec::new());
         assert!(short.is_err(), "a request without an outcome must not hang or invent one");
     }

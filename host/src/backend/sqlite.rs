@@ -201,6 +201,8 @@ impl SqliteBackend {
         }
         let mut conn = Connection::open_with_flags(path, flags).map_err(fail)?;
         conn.busy_timeout(Duration::from_secs(30)).map_err(fail)?;
+        // Room for every statement of the commit path and the registry (16 by default).
+        conn.set_prepared_statement_cache_capacity(64);
         if !create && !has_schema(&conn).map_err(fail)? {
             return Err(DbError { db: path.display().to_string(), error: "not a sagabox database".into() });
         }

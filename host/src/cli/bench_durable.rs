@@ -132,7 +132,7 @@ pub async fn run(
     }
     for durability in [Durability::Normal, Durability::Full] {
         let db = fresh_sqlite(durability)?;
-        let (rate, per_transaction) = concurrent_ct1(runtime, &db, sagas_dir, sagas / 4, 64).await?;
+        let (rate, per_transaction) = concurrent_ct1(runtime, &db, sagas_dir, (sagas / 4).max(640), 64).await?;
         out.rates.push((
             format!(
                 "durable ct1 sagas/s, 64 in flight, one process, {} ({per_transaction:.1} journal records per transaction)",
