@@ -219,6 +219,15 @@ pub trait Backend: Send + Sync {
     fn journal_bytes(&self, run_id: &str) -> Result<u64, DbError>;
 }
 
+/// Runs `f`, a call on `backend` that may block on its storage, off the async workers when
+/// it can block and the caller is on a multi-threaded runtime (so that other tasks go on
+/// meanwhile, e.g. the runs whose steps a group commit is waiting for).
+pub fn blocking<R>(backend: &dyn Backend, f: impl FnOnce() -> R) -> R {
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if backend.blocks() && multi_thread { tokio::task::block_in_place(f) } else { f() }
+}
+
 /// Opens the database `db` names: a `postgres://` (or `postgresql://`) URL, or else a
 /// SQLite file. `create`: whether a missing SQLite file may be created (commands that only
 /// read or finish runs never create one). `durability`: see [`Durability`] and

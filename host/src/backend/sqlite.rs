@@ -89,6 +89,28 @@ fn run_from_row(r: &rusqlite::Row) -> rusqlite::Result<RunRecord> {
     })
 }
 
+/// Inserts `run` into the registry, its start time the database's clock.
+fn insert_run(conn: &Connection, run: &RunRecord) -> rusqlite::Result<()> {
+    let mut insert = conn.prepare_cached(
+        "INSERT INTO runs (run_id, saga, saga_path, definition, input, seed, status, pid, owner, lease_until_ms, started_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+    )?;
+    insert.execute(params![
+        run.run_id,
+        run.saga,
+        run.saga_path,
+        run.definition,
+        run.input.to_string(),
+        run.seed as i64,
+        run.status,
+        run.pid,
+        run.owner,
+        run.lease_until_ms.map(|t| t as i64),
+        now_ms() as i64
+    ])?;
+    Ok(())
+}
+
 /// Brings the schema to the newest version, in one transaction.
 fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -112,18 +134,20 @@ pub struct SqliteBackend {
     /// Events with no state change, written with the next commit (or at a run's start and end).
     pending: Mutex<Vec<Event>>,
     /// Step commits of concurrent runs, written many to a transaction.
-    group: Group<StepCommit, Result<Vec<Change>, EventsError>>,
+    group: Group<StepCommit, Result<Vec<Change>, StepError>>,
 }
 
 /// Most steps one transaction writes: bounds how long a batch holds the write lock.
 const MAX_GROUP: usize = 256;
 
-/// One step's commit (or, without `txn`, journal records that must be written at once),
-/// owned so that whichever caller leads the group can write it.
+/// One step's commit (or, without `txn`, journal records that must be written at once, or
+/// a run to register), owned so that whichever caller leads the group can write it.
+#[derive(Default)]
 struct StepCommit {
     txn: Option<Txn>,
     result: Option<(String, Value)>,
     events: Vec<Event>,
+    run: Option<RunRecord>,
 }
 
 fn is_constraint(e: &rusqlite::Error) -> bool {
@@ -157,17 +181,20 @@ fn write_seed(tx: &rusqlite::Transaction, state: &State) -> rusqlite::Result<()>
 }
 
 /// Why a step was not written.
-enum EventsError {
+enum StepError {
     /// A journal record of the caller's is already there.
     Duplicate(CommitError),
+    /// The run it registers is already registered.
+    RunExists,
     /// Anything else: a conflict, a cached result, or the database failed.
     Failed(CommitError),
 }
 
-impl EventsError {
+impl StepError {
     fn into_commit_error(self) -> CommitError {
         match self {
-            EventsError::Duplicate(e) | EventsError::Failed(e) => e,
+            StepError::Duplicate(e) | StepError::Failed(e) => e,
+            StepError::RunExists => CommitError::Backend("the run is already registered".into()),
         }
     }
 }
@@ -348,11 +375,11 @@ impl SqliteBackend {
     }
 
     /// Writes `events` in `conn`'s transaction; a record that is already there is an error.
-    fn write_events(&self, conn: &Connection, events: &[Event]) -> Result<(), EventsError> {
+    fn write_events(&self, conn: &Connection, events: &[Event]) -> Result<(), StepError> {
         for event in events {
             self.write_record(conn, event).map_err(|e| match is_constraint(&e) {
-                true => EventsError::Duplicate(self.commit_error(duplicate_event(event))),
-                false => EventsError::Failed(self.commit_error(e)),
+                true => StepError::Duplicate(self.commit_error(duplicate_event(event))),
+                false => StepError::Failed(self.commit_error(e)),
             })?;
         }
         Ok(())
@@ -410,8 +437,9 @@ impl Backend for SqliteBackend {
             txn: Some(txn.clone()),
             result: result.map(|(key, output)| (key.to_string(), output.clone())),
             events: events.to_vec(),
+            run: None,
         };
-        self.write_step(step).map_err(EventsError::into_commit_error)
+        self.write_step(step).map_err(StepError::into_commit_error)
     }
 
     fn record(&self, events: &[Event]) -> Result<(), CommitError> {
@@ -419,13 +447,13 @@ impl Backend for SqliteBackend {
             lock(&self.pending).extend_from_slice(events);
             return Ok(());
         }
-        match self.write_step(StepCommit { txn: None, result: None, events: events.to_vec() }) {
+        match self.write_step(StepCommit { events: events.to_vec(), ..StepCommit::default() }) {
             Ok(_) => Ok(()),
-            Err(EventsError::Duplicate(e)) => Err(e),
+            Err(StepError::Duplicate(e)) => Err(e),
             // Kept for the next commit.
-            Err(EventsError::Failed(e)) => {
+            Err(e) => {
                 lock(&self.pending).extend_from_slice(events);
-                Err(e)
+                Err(e.into_commit_error())
             }
         }
     }
@@ -466,29 +494,13 @@ impl Backend for SqliteBackend {
     }
 
     fn register_run(&self, run: &RunRecord) -> Result<(), RegisterError> {
-        let conn = lock(&self.conn);
-        let inserted = conn.prepare_cached(
-            "INSERT INTO runs (run_id, saga, saga_path, definition, input, seed, status, pid, owner, lease_until_ms, started_ms)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
-        ).and_then(|mut insert| insert.execute(params![
-                run.run_id,
-                run.saga,
-                run.saga_path,
-                run.definition,
-                run.input.to_string(),
-                run.seed as i64,
-                run.status,
-                run.pid,
-                run.owner,
-                run.lease_until_ms.map(|t| t as i64),
-                now_ms() as i64
-            ]));
-        match inserted {
+        // Through the group: runs that start together share a transaction with their steps.
+        match self.write_step(StepCommit { run: Some(run.clone()), ..StepCommit::default() }) {
             Ok(_) => Ok(()),
-            Err(e) if is_constraint(&e) => {
+            Err(StepError::RunExists) => {
                 Err(RegisterError::Exists { run_id: run.run_id.clone(), db: self.path.display().to_string() })
             }
-            Err(e) => Err(self.error(e).into()),
+            Err(e) => Err(self.error(e.into_commit_error()).into()),
         }
     }
 
@@ -586,20 +598,20 @@ impl SqliteBackend {
 
     /// Writes `step` in a transaction it may share with other runs' steps (group commit),
     /// and returns once that transaction committed.
-    fn write_step(&self, step: StepCommit) -> Result<Vec<Change>, EventsError> {
+    fn write_step(&self, step: StepCommit) -> Result<Vec<Change>, StepError> {
         self.group.submit(step, |steps| self.write_group(&steps)).unwrap_or_else(|_| {
-            Err(EventsError::Failed(self.commit_error("the commit sharing this step's transaction panicked")))
+            Err(StepError::Failed(self.commit_error("the commit sharing this step's transaction panicked")))
         })
     }
 
     /// Writes `steps` in one transaction, each atomically (a savepoint): a step that is
     /// refused (a conflict, a cached result, a journal record already there) writes nothing
     /// and the others go on. If the transaction fails, every step fails with it.
-    fn write_group(&self, steps: &[StepCommit]) -> Vec<Result<Vec<Change>, EventsError>> {
+    fn write_group(&self, steps: &[StepCommit]) -> Vec<Result<Vec<Change>, StepError>> {
         let mut conn = lock(&self.conn);
         match self.try_write_group(&mut conn, steps) {
             Ok(outcomes) => outcomes,
-            Err(e) => steps.iter().map(|_| Err(EventsError::Failed(e.clone()))).collect(),
+            Err(e) => steps.iter().map(|_| Err(StepError::Failed(e.clone()))).collect(),
         }
     }
 
@@ -607,7 +619,7 @@ impl SqliteBackend {
         &self,
         conn: &mut Connection,
         steps: &[StepCommit],
-    ) -> Result<Vec<Result<Vec<Change>, EventsError>>, CommitError> {
+    ) -> Result<Vec<Result<Vec<Change>, StepError>>, CommitError> {
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.commit_error(e))?;
         // Validated against the database's state; versions follow the database's counter.
         let base = self.catch_up(&tx).map_err(|e| self.commit_error(e))?;
@@ -651,17 +663,23 @@ impl SqliteBackend {
         state: &State,
         version: u64,
         step: &StepCommit,
-    ) -> Result<Vec<Change>, EventsError> {
-        let failed = |e: rusqlite::Error| EventsError::Failed(self.commit_error(e));
+    ) -> Result<Vec<Change>, StepError> {
+        let failed = |e: rusqlite::Error| StepError::Failed(self.commit_error(e));
+        if let Some(run) = &step.run {
+            match insert_run(conn, run) {
+                Err(e) if is_constraint(&e) => return Err(StepError::RunExists),
+                other => other.map_err(failed)?,
+            }
+        }
         // Under the write lock: another delivery of this call that committed first wins.
         if let Some((key, _)) = &step.result
-            && let Some(output) = self.cached_in(conn, key).map_err(EventsError::Failed)?
+            && let Some(output) = self.cached_in(conn, key).map_err(StepError::Failed)?
         {
-            return Err(EventsError::Failed(CommitError::AlreadyCommitted(output)));
+            return Err(StepError::Failed(CommitError::AlreadyCommitted(output)));
         }
         let mut changes = Vec::new();
         if let Some(txn) = &step.txn {
-            txn.validate(state).map_err(|e| EventsError::Failed(e.into()))?;
+            txn.validate(state).map_err(|e| StepError::Failed(e.into()))?;
             changes = txn.changes(state);
             let mut put = conn
                 .prepare_cached("INSERT OR REPLACE INTO docs (ns, key, body, version) VALUES (?1, ?2, ?3, ?4)")
@@ -792,7 +810,12 @@ mod tests {
             .map_or(0, |t| serde_json::from_str::<Value>(&t).unwrap()["allocated"].as_u64().unwrap());
         txn.put("pools", counter, &json!({ "allocated": n + 1 }).to_string()).unwrap();
         txn.put("marks", key, "{}").unwrap();
-        StepCommit { txn: Some(txn), result: result.map(|k| (k.to_string(), json!(key))), events: vec![event] }
+        StepCommit {
+            txn: Some(txn),
+            result: result.map(|k| (k.to_string(), json!(key))),
+            events: vec![event],
+            run: None,
+        }
     }
 
     #[test]
@@ -803,6 +826,7 @@ mod tests {
         db.seed(&state()).unwrap();
         db.commit(&Txn::new(db.snapshot(), WriteQuota::default()), Some(("cached", &json!("first"))), &[]).unwrap();
         db.record(&[event("r", 0, EventKind::SagaStarted)]).unwrap();
+        db.register_run(&run_record("old", 1)).unwrap();
         let steps = vec![
             step(&db, "p", "a", Some("ka"), event("r", 1, EventKind::StepCompleted)),
             // Read the counter before `a` wrote it, in the same transaction: a conflict.
@@ -811,14 +835,18 @@ mod tests {
             step(&db, "p", "again", Some("cached"), event("t", 0, EventKind::StepCompleted)),
             // A journal record that is already there.
             step(&db, "q", "dup", None, event("r", 0, EventKind::StepCompleted)),
-            StepCommit { txn: None, result: None, events: vec![event("r", 2, EventKind::SagaFinished)] },
+            StepCommit { events: vec![event("r", 2, EventKind::SagaFinished)], ..StepCommit::default() },
+            // A run registered with the others, and one registered before.
+            StepCommit { run: Some(run_record("new", 1)), ..StepCommit::default() },
+            StepCommit { run: Some(run_record("old", 2)), ..StepCommit::default() },
         ];
         let outcomes = db.write_group(&steps);
         assert_eq!(outcomes[0].as_ref().ok().map(Vec::len), Some(2));
-        assert!(matches!(&outcomes[1], Err(EventsError::Failed(CommitError::Conflict(c))) if c.key == "p"));
-        assert!(matches!(&outcomes[2], Err(EventsError::Failed(CommitError::AlreadyCommitted(v))) if v == "first"));
-        assert!(matches!(&outcomes[3], Err(EventsError::Duplicate(_))));
-        assert!(outcomes[4].is_ok());
+        assert!(matches!(&outcomes[1], Err(StepError::Failed(CommitError::Conflict(c))) if c.key == "p"));
+        assert!(matches!(&outcomes[2], Err(StepError::Failed(CommitError::AlreadyCommitted(v))) if v == "first"));
+        assert!(matches!(&outcomes[3], Err(StepError::Duplicate(_))));
+        assert!(outcomes[4].is_ok() && outcomes[5].is_ok());
+        assert!(matches!(&outcomes[6], Err(StepError::RunExists)));
         // What a refused step wrote before it was refused is gone; the others are durable.
         drop(db);
         let db = open(&path);
@@ -831,6 +859,9 @@ mod tests {
         let kinds: Vec<EventKind> = db.events("r").unwrap().into_iter().map(|e| e.event).collect();
         assert_eq!(kinds, [EventKind::SagaStarted, EventKind::StepCompleted, EventKind::SagaFinished]);
         assert!(db.events("s").unwrap().is_empty() && db.events("t").unwrap().is_empty());
+        let mut runs: Vec<(String, u32)> = db.runs().unwrap().into_iter().map(|r| (r.run_id, r.pid)).collect();
+        runs.sort();
+        assert_eq!(runs, [("new".to_string(), 1), ("old".to_string(), 1)], "the first registration of 'old' stands");
     }
 
     #[test]

@@ -240,7 +240,7 @@ async fn concurrent_ct1(
                 for i in 0..per_task {
                     let run_id = format!("c{t}-{i}");
                     let record = RunRecord::starting(&run_id, &saga.name, "ct1.json", String::new(), &input, 0);
-                    backend.register_run(&record)?;
+                    backend::blocking(&*backend, || backend.register_run(&record))?;
                     let report = saga::run(&runtime, &saga, &*backend, RunOptions::new(run_id, input.clone())).await;
                     if report.status != Status::Failed {
                         anyhow::bail!("durable ct1 ended {:?}: {:?}", report.status, report.error);

@@ -366,9 +366,7 @@ impl<'a> Run<'a> {
 
     /// Runs `f`, which may block on the backend's storage, off the async workers.
     fn blocking<R>(&self, f: impl FnOnce() -> R) -> R {
-        let multi_thread = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        if self.backend.blocks() && multi_thread { tokio::task::block_in_place(f) } else { f() }
+        crate::backend::blocking(self.backend, f)
     }
 
     /// Stamps and records events that come with no state change.

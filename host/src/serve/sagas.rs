@@ -76,7 +76,8 @@ pub async fn run(
                 let path = saga.path.display().to_string();
                 let record =
                     RunRecord::starting(&options.run_id, &saga.name, &path, definition, &options.input, options.seed);
-                context_ref.backend.register_run(&record).map_err(|e| e.to_string())
+                let backend = &*context_ref.backend;
+                crate::backend::blocking(backend, || backend.register_run(&record)).map_err(|e| e.to_string())
             });
         if let Err(e) = registered {
             return error_result(&e, json!({ "error": { "code": "host", "message": e } }));

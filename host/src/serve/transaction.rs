@@ -196,9 +196,8 @@ impl Transactions {
         if self.context.register_runs {
             let record =
                 RunRecord::starting(&id, &format!("session:{name}"), SESSION_SOURCE, String::new(), &json!({}), 0);
-            self.context
-                .backend
-                .register_run(&record)
+            let backend = &*self.context.backend;
+            crate::backend::blocking(backend, || backend.register_run(&record))
                 .map_err(|e| BeginError::Register { id: id.clone(), reason: e.to_string() })?;
         }
         let (commands, inbox) = mpsc::unbounded_channel();
