@@ -4,11 +4,11 @@
 //! A call's writes, its cached result and the journal events that record it commit in one
 //! SQLite transaction: the state and the journal never disagree. Steps of concurrent runs
 //! share transactions (group commit, [`super::group`]): each is still atomic on its own (a
-//! savepoint), and each caller returns only once the transaction holding its step committed. The database runs in WAL
-//! mode. `synchronous=NORMAL` (the default) survives a killed process: every committed
-//! transaction is in the WAL; after a power loss the last transactions may be lost, but the
-//! database stays consistent with its journal. `synchronous=FULL` also survives power loss
-//! at the cost of an fsync per commit.
+//! savepoint), and each caller returns only once the transaction holding its step
+//! committed. The database runs in WAL mode. `synchronous=NORMAL` (the default) survives a
+//! killed process: every committed transaction is in the WAL; after a power loss the last
+//! transactions may be lost, but the database stays consistent with its journal.
+//! `synchronous=FULL` also survives power loss at the cost of an fsync per transaction.
 //!
 //! Each process keeps the state in memory (an O(1)-snapshot [`State`]) and catches up with
 //! commits of other processes (`PRAGMA data_version` says cheaply when); a commit is
