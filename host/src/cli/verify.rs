@@ -1,5 +1,6 @@
 //! `sagabox verify`: rollback verification campaigns.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -7,7 +8,7 @@ use anyhow::Context as _;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use indicatif::{ProgressBar, ProgressStyle};
 use sagabox::saga::{self, Saga};
-use sagabox::store::fixture;
+use sagabox::store::{State, fixture};
 use sagabox::verify::{self, CampaignOptions, CampaignReport, FaultKind, Subject, Timing, Verdict};
 
 use super::run::{load_input, load_state};
@@ -78,6 +79,20 @@ pub struct Args {
     merge: Vec<PathBuf>,
 }
 
+/// `saga`'s fixture, loaded once however many sagas name the same file (tau-bench's tasks
+/// imported by `to_sagas.py` all link to one 3 MB `db.json`): the sagas share one immutable
+/// state, and its digest index, instead of parsing it again each.
+fn shared_fixture(saga: &Saga, loaded: &mut HashMap<PathBuf, State>) -> anyhow::Result<State> {
+    let Some(path) = saga.companions.fixture.as_deref() else { return load_state(None, saga) };
+    let file = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    if let Some(state) = loaded.get(&file) {
+        return Ok(state.clone());
+    }
+    let state = load_state(None, saga)?;
+    loaded.insert(file, state.clone());
+    Ok(state)
+}
+
 pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome> {
     let runtime = Arc::new(plugin_args.load().await?);
     // Loaded once for every saga (a snapshot of it is an O(1) copy).
@@ -86,6 +101,7 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
         None => None,
     };
     let mut subjects = Vec::new();
+    let mut fixtures = HashMap::new();
     for path in saga::saga_files(&args.sagas).context("cannot list the sagas")? {
         let saga = Saga::load(&path, &runtime)?;
         let expected = match &saga.companions.expected {
@@ -95,7 +111,7 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
         subjects.push(Subject {
             initial: match &given {
                 Some(state) => state.clone(),
-                None => load_state(None, &saga)?,
+                None => shared_fixture(&saga, &mut fixtures)?,
             },
             input: load_input(None, &saga)?,
             expected,
