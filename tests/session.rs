@@ -137,14 +137,20 @@ async fn a_cancelled_call_stops_and_writes_nothing() {
     let tx = transactions.begin(None, None).unwrap();
     let cancel = CancellationToken::new();
     // `hostile.spin` loops until it is stopped: by the cancel, or by its fuel (10⁹ units, a
-    // few hundred ms of CPU on a fast core), so the cancel comes well before that.
+    // hundred ms or so of CPU on a fast core). So the cancel comes as soon as the call is in
+    // flight, not after a fixed sleep that a loaded machine can stretch past the fuel.
     let mut spin = request("hostile.spin", json!({}));
     spin.cancel = cancel.clone();
     let call = tokio::spawn({
         let tx = tx.clone();
         async move { tx.call(spin).await }
     });
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    let started = tokio::time::timeout(Duration::from_secs(5), async {
+        while tx.status().await.unwrap().in_flight == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+    started.await.expect("the call started");
     cancel.cancel();
     let reply = tokio::time::timeout(Duration::from_secs(5), call).await.expect("cancelled in time").unwrap().unwrap();
     match reply {

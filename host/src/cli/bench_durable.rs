@@ -219,7 +219,8 @@ async fn sequential_ct1(
 }
 
 /// CT1 sagas, `in_flight` at a time, in one process on the SQLite database `db`: concurrent
-/// runs' steps share transactions (group commit). Returns sagas/s and steps per transaction.
+/// runs' steps share transactions (group commit). Returns sagas/s and journal records per
+/// transaction.
 async fn concurrent_ct1(
     runtime: &Arc<Runtime>,
     db: &Fresh,
