@@ -487,28 +487,24 @@ fn cli_startup(sagas: &Path) -> anyhow::Result<Vec<Measurement>> {
     ])
 }
 
+/// The `kB` field `name` (e.g. `VmHWM:`) of the /proc file `file`, in bytes; 0 where /proc
+/// is missing.
+fn proc_kb(file: &str, name: &str) -> u64 {
+    let text = std::fs::read_to_string(file).unwrap_or_default();
+    let line = text.lines().find(|l| l.starts_with(name));
+    line.and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()).map_or(0, |kb| kb * 1024)
+}
+
 /// This process's peak resident set size, in bytes (Linux).
 fn peak_rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).map(str::to_string))
-        .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
-        .map_or(0, |kb| kb * 1024)
+    proc_kb("/proc/self/status", "VmHWM:")
 }
 
 /// This process's resident memory now: RSS, PSS (shared pages divided among their users)
 /// and the shared part of RSS (plugins' memory images mapped into every instance count once
-/// per instance in RSS), in bytes; zeros where /proc is missing.
+/// per instance in RSS), in bytes.
 fn memory_now() -> (u64, u64, u64) {
-    let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap_or_default();
-    let field = |name: &str| {
-        rollup
-            .lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-            .sum::<u64>()
-            * 1024
-    };
+    let field = |name: &str| proc_kb("/proc/self/smaps_rollup", name);
     (field("Rss:"), field("Pss:"), field("Shared_Clean:") + field("Shared_Dirty:"))
 }
 
