@@ -23,9 +23,140 @@ pub fn canonical(value: &Value) -> String {
 
 /// Parses `text` and returns its canonical form.
 pub fn canonicalize(text: &str) -> Result<String, serde_json::Error> {
+    // Tools mostly write what a serializer with sorted maps produced: checking that costs one
+    // scan, where parsing and printing again builds and frees a tree.
+    if is_canonical(text) {
+        return Ok(text.to_owned());
+    }
+    reprint(text)
+}
+
+/// Parses `text` and prints it canonically: what `canonicalize` means.
+fn reprint(text: &str) -> Result<String, serde_json::Error> {
     let mut value: Value = serde_json::from_str(text)?;
     normalize_numbers(&mut value);
     Ok(to_text(&value))
+}
+
+/// Nesting deeper than this is left to the parser (which refuses past 128 levels).
+const MAX_SCANNED_DEPTH: usize = 64;
+
+/// Whether `text` is already canonical, checked in one pass that builds nothing. `false`
+/// means only "not proven": escapes, unsorted keys, white space, a rewritten number or
+/// invalid JSON all go to [`reprint`], which decides.
+fn is_canonical(text: &str) -> bool {
+    let mut scan = Scanner { bytes: text.as_bytes(), at: 0 };
+    scan.value(0) && scan.at == scan.bytes.len()
+}
+
+struct Scanner<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Scanner<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.bytes.get(self.at).copied()
+    }
+
+    fn eat(&mut self, byte: u8) -> bool {
+        let found = self.peek() == Some(byte);
+        self.at += usize::from(found);
+        found
+    }
+
+    fn value(&mut self, depth: usize) -> bool {
+        match self.peek() {
+            Some(b'{') => depth < MAX_SCANNED_DEPTH && self.object(depth + 1),
+            Some(b'[') => depth < MAX_SCANNED_DEPTH && self.array(depth + 1),
+            Some(b'"') => self.string().is_some(),
+            Some(b't') => self.literal(b"true"),
+            Some(b'f') => self.literal(b"false"),
+            Some(b'n') => self.literal(b"null"),
+            Some(b'-' | b'0'..=b'9') => self.number(),
+            _ => false,
+        }
+    }
+
+    fn object(&mut self, depth: usize) -> bool {
+        self.at += 1;
+        if self.eat(b'}') {
+            return true;
+        }
+        let mut previous: Option<&[u8]> = None;
+        loop {
+            let Some(key) = self.string() else { return false };
+            // Strictly increasing: a repeated key is one the parse would drop.
+            if previous.is_some_and(|p| p >= key) {
+                return false;
+            }
+            previous = Some(key);
+            if !self.eat(b':') || !self.value(depth) {
+                return false;
+            }
+            if self.eat(b'}') {
+                return true;
+            }
+            if !self.eat(b',') {
+                return false;
+            }
+        }
+    }
+
+    fn array(&mut self, depth: usize) -> bool {
+        self.at += 1;
+        if self.eat(b']') {
+            return true;
+        }
+        loop {
+            if !self.value(depth) {
+                return false;
+            }
+            if self.eat(b']') {
+                return true;
+            }
+            if !self.eat(b',') {
+                return false;
+            }
+        }
+    }
+
+    /// The contents of a string with no escape and no control character (the printer writes
+    /// those verbatim; anything else is left to the parse).
+    fn string(&mut self) -> Option<&'a [u8]> {
+        if !self.eat(b'"') {
+            return None;
+        }
+        let start = self.at;
+        let length = self.bytes[start..].iter().position(|&b| b == b'"' || b == b'\\' || b < 0x20)?;
+        self.at = start + length;
+        self.eat(b'"').then(|| &self.bytes[start..start + length])
+    }
+
+    fn literal(&mut self, word: &[u8]) -> bool {
+        let found = self.bytes[self.at..].starts_with(word);
+        self.at += if found { word.len() } else { 0 };
+        found
+    }
+
+    /// An integer the parse reads into an i64 or u64 prints as written, unless it has a
+    /// leading zero or is `-0`; any other number is canonical if printing it again gives it back.
+    fn number(&mut self) -> bool {
+        let start = self.at;
+        let length =
+            self.bytes[start..].iter().position(|b| !matches!(b, b'0'..=b'9' | b'-' | b'+' | b'.' | b'e' | b'E'));
+        self.at = start + length.unwrap_or(self.bytes.len() - start);
+        // Cannot fail: the token is ASCII.
+        let token = std::str::from_utf8(&self.bytes[start..self.at]).unwrap_or_default();
+        let digits = token.strip_prefix('-').unwrap_or(token);
+        let plain = !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit());
+        if plain {
+            let leading_zero = digits.len() > 1 && digits.starts_with('0');
+            let fits = if token.starts_with('-') { token.parse::<i64>().is_ok() } else { token.parse::<u64>().is_ok() };
+            return fits && !leading_zero && token != "-0";
+        }
+        reprint(token).is_ok_and(|printed| printed == token)
+    }
 }
 
 /// serde_json's compact writer: with its default (sorted) maps this is already canonical
@@ -69,6 +200,7 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use serde_json::json;
 
     #[test]
@@ -93,5 +225,83 @@ mod tests {
     #[test]
     fn invalid_json_is_an_error() {
         assert!(canonicalize("{").is_err());
+    }
+
+    #[test]
+    fn canonical_text_is_recognised_without_a_parse() {
+        let doc = json!({"a": [1, -2, 18446744073709551615u64, 2.5, 1e300, true, null], "b": {"": "é x"}, "c": []});
+        assert!(is_canonical(&canonical(&doc)), "{}", canonical(&doc));
+        for text in ["[1.0]", "[1e2]", "-0", "[01]", r#"{"b":1,"a":2}"#, r#"{"a":1,"a":2}"#, "[1, 2]", r#"["\u0041"]"#, "1 ", "[1,]"] {
+            assert!(!is_canonical(text), "{text} taken as canonical");
+        }
+    }
+
+    /// Any JSON value, including what canonical printing rewrites: whole floats, escapes,
+    /// integers past i64.
+    fn any_value() -> impl Strategy<Value = Value> {
+        let text = "[ab\"\\\\\n\u{1}\u{e9}\u{7f}/]{0,3}";
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<f64>().prop_filter("finite", |f| f.is_finite()).prop_map(Value::from),
+            (-1000i32..1000).prop_map(|i| Value::from(f64::from(i) / 4.0)),
+            text.prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 32, 4, move |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                proptest::collection::btree_map(text, inner, 0..4).prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// JSON-ish texts: values printed canonically, pretty or with one character cut or
+    /// added, and objects whose keys come in any order (repeats included).
+    fn any_text() -> impl Strategy<Value = String> {
+        let printed = || {
+            (any_value(), any::<bool>()).prop_map(|(v, pretty)| {
+                if pretty { serde_json::to_string_pretty(&v).unwrap() } else { canonical(&v) }
+            })
+        };
+        let edited = (printed(), any::<usize>(), proptest::option::of(proptest::sample::select(
+            vec![' ', ',', '0', '-', '"', '}', ']', '.', 'e', '\\', ':', '1'],
+        )))
+        .prop_map(|(text, at, insert)| {
+            let mut chars: Vec<char> = text.chars().collect();
+            let at = at % (chars.len() + 1);
+            match insert {
+                Some(c) => chars.insert(at, c),
+                None if at < chars.len() => drop(chars.remove(at)),
+                None => {}
+            }
+            chars.into_iter().collect()
+        });
+        let keyed = proptest::collection::vec(("[abc]{0,2}", any_value()), 0..5).prop_map(|fields| {
+            let fields: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\":{}", canonical(v))).collect();
+            format!("{{{}}}", fields.join(","))
+        });
+        prop_oneof![printed(), edited, keyed]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+
+        /// The shortcut for canonical text changes nothing: every text canonicalizes (or is
+        /// refused) exactly as a full parse and print does.
+        #[test]
+        fn canonicalize_agrees_with_parsing_and_printing(text in any_text()) {
+            proptest::prop_assert_eq!(canonicalize(&text).ok(), reprint(&text).ok());
+        }
+
+        /// Everything the store writes is recognised as canonical, so it takes the shortcut.
+        #[test]
+        fn canonical_text_without_escapes_takes_the_shortcut(value in any_value()) {
+            let text = canonical(&value);
+            if !text.contains('\\') && !text.chars().any(char::is_control) {
+                proptest::prop_assert!(is_canonical(&text), "{}", text);
+            }
+        }
     }
 }
