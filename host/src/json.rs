@@ -231,7 +231,18 @@ mod tests {
     fn canonical_text_is_recognised_without_a_parse() {
         let doc = json!({"a": [1, -2, 18446744073709551615u64, 2.5, 1e300, true, null], "b": {"": "é x"}, "c": []});
         assert!(is_canonical(&canonical(&doc)), "{}", canonical(&doc));
-        for text in ["[1.0]", "[1e2]", "-0", "[01]", r#"{"b":1,"a":2}"#, r#"{"a":1,"a":2}"#, "[1, 2]", r#"["\u0041"]"#, "1 ", "[1,]"] {
+        for text in [
+            "[1.0]",
+            "[1e2]",
+            "-0",
+            "[01]",
+            r#"{"b":1,"a":2}"#,
+            r#"{"a":1,"a":2}"#,
+            "[1, 2]",
+            r#"["\u0041"]"#,
+            "1 ",
+            "[1,]",
+        ] {
             assert!(!is_canonical(text), "{text} taken as canonical");
         }
     }
@@ -261,23 +272,26 @@ mod tests {
     /// added, and objects whose keys come in any order (repeats included).
     fn any_text() -> impl Strategy<Value = String> {
         let printed = || {
-            (any_value(), any::<bool>()).prop_map(|(v, pretty)| {
-                if pretty { serde_json::to_string_pretty(&v).unwrap() } else { canonical(&v) }
-            })
+            (any_value(), any::<bool>())
+                .prop_map(|(v, pretty)| if pretty { serde_json::to_string_pretty(&v).unwrap() } else { canonical(&v) })
         };
-        let edited = (printed(), any::<usize>(), proptest::option::of(proptest::sample::select(
-            vec![' ', ',', '0', '-', '"', '}', ']', '.', 'e', '\\', ':', '1'],
-        )))
-        .prop_map(|(text, at, insert)| {
-            let mut chars: Vec<char> = text.chars().collect();
-            let at = at % (chars.len() + 1);
-            match insert {
-                Some(c) => chars.insert(at, c),
-                None if at < chars.len() => drop(chars.remove(at)),
-                None => {}
-            }
-            chars.into_iter().collect()
-        });
+        let edited = (
+            printed(),
+            any::<usize>(),
+            proptest::option::of(proptest::sample::select(vec![
+                ' ', ',', '0', '-', '"', '}', ']', '.', 'e', '\\', ':', '1',
+            ])),
+        )
+            .prop_map(|(text, at, insert)| {
+                let mut chars: Vec<char> = text.chars().collect();
+                let at = at % (chars.len() + 1);
+                match insert {
+                    Some(c) => chars.insert(at, c),
+                    None if at < chars.len() => drop(chars.remove(at)),
+                    None => {}
+                }
+                chars.into_iter().collect()
+            });
         let keyed = proptest::collection::vec(("[abc]{0,2}", any_value()), 0..5).prop_map(|fields| {
             let fields: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\":{}", canonical(v))).collect();
             format!("{{{}}}", fields.join(","))
