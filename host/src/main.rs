@@ -6,6 +6,7 @@ mod cli;
 /// threads; glibc's allocator spent a quarter of a rolled-back saga's time on them. jemalloc
 /// over mimalloc: as fast here, and its peak RSS with 1,000 sagas alive stays at glibc's
 /// (mimalloc added 30 MiB).
+#[cfg(feature = "jemalloc")]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
