@@ -66,6 +66,14 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE runs ADD COLUMN owner TEXT NOT NULL DEFAULT '';
      ALTER TABLE runs ADD COLUMN lease_until_ms INTEGER;
      CREATE INDEX runs_by_status ON runs (status, started_ms);",
+    // 3: journal records in a rowid table. A WITHOUT ROWID table keeps a row in its key's
+    // B-tree, where a row over ~1 KB spills to overflow pages; records that carry the
+    // documents their step wrote are 1-3 KB, and spilling doubled what each one wrote.
+    "CREATE TABLE events_v3 (
+         run_id TEXT NOT NULL, seq INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, seq));
+     INSERT INTO events_v3 SELECT run_id, seq, body FROM events;
+     DROP TABLE events;
+     ALTER TABLE events_v3 RENAME TO events;",
 ];
 
 /// The columns of a run, in [`run_from_row`]'s order.
@@ -714,7 +722,7 @@ impl SqliteBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::saga::journal::EventKind;
+    use crate::saga::journal::{DocWrite, EventKind};
     use crate::store::WriteQuota;
     use serde_json::json;
 
@@ -783,6 +791,56 @@ mod tests {
         other.execute_batch("COMMIT").unwrap();
         assert!(!seeding.join().unwrap(), "seeded a database that was no longer new");
         assert_eq!(allocated(&open(&path)), 7, "the seed overwrote a committed step");
+    }
+
+    /// The journal's table as SQLite stores it, and the schema version.
+    fn events_table(path: &Path) -> (String, i64) {
+        let conn = Connection::open(path).unwrap();
+        let sql = conn.query_row("SELECT sql FROM sqlite_master WHERE name = 'events'", [], |r| r.get(0)).unwrap();
+        let schema = conn.query_row("SELECT value FROM meta WHERE name = 'schema'", [], |r| r.get(0)).unwrap();
+        (sql, schema)
+    }
+
+    #[test]
+    fn a_database_of_schema_2_keeps_its_journal_when_it_moves_to_a_rowid_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        // A database as schema 2 left it, with a run's journal in it.
+        let old = Connection::open(&path).unwrap();
+        old.execute_batch(&format!("{SCHEMA}{}; UPDATE meta SET value = 2 WHERE name = 'schema';", MIGRATIONS[0]))
+            .unwrap();
+        let mut completed = event("r", 1, EventKind::StepCompleted);
+        completed.writes.push(DocWrite {
+            ns: "pools".into(),
+            key: "p".into(),
+            before: None,
+            after: Some(format!("{{\"note\":\"{}\"}}", "x".repeat(3000)).into()),
+        });
+        for e in [event("r", 0, EventKind::SagaStarted), completed.clone()] {
+            old.execute(
+                "INSERT INTO events VALUES ('r', ?1, ?2)",
+                params![e.seq as i64, serde_json::to_string(&e).unwrap()],
+            )
+            .unwrap();
+        }
+        drop(old);
+        assert!(events_table(&path).0.contains("WITHOUT ROWID"));
+
+        let db = open(&path);
+        let (sql, schema) = events_table(&path);
+        assert!(!sql.contains("WITHOUT ROWID"), "{sql}");
+        assert_eq!(schema, MIGRATIONS.len() as i64 + 1);
+        let events = db.events("r").unwrap();
+        assert_eq!(events.len(), 2);
+        assert_eq!(events[1], completed);
+        // The key still refuses a second record at a taken position, and the run goes on.
+        let err = db.record(&[event("r", 1, EventKind::SagaResumed)]).unwrap_err();
+        assert!(matches!(&err, CommitError::Backend(m) if m.contains("seq 1")), "{err}");
+        db.record(&[event("r", 2, EventKind::SagaFinished)]).unwrap();
+        drop(db);
+        // Opening it again migrates nothing twice.
+        assert_eq!(open(&path).events("r").unwrap().len(), 3);
+        assert_eq!(events_table(&path).1, MIGRATIONS.len() as i64 + 1);
     }
 
     #[test]
