@@ -844,6 +844,22 @@ mod tests {
     }
 
     #[test]
+    fn processes_opening_a_new_database_at_once_migrate_it_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let opened: Vec<SqliteBackend> = std::thread::scope(|scope| {
+            let openers: Vec<_> = (0..4).map(|_| scope.spawn(|| open(&path))).collect();
+            openers.into_iter().map(|o| o.join().unwrap()).collect()
+        });
+        let (sql, schema) = events_table(&path);
+        assert!(!sql.contains("WITHOUT ROWID") && schema == MIGRATIONS.len() as i64 + 1, "{schema}: {sql}");
+        for (i, db) in opened.iter().enumerate() {
+            db.record(&[event(&format!("r{i}"), 0, EventKind::SagaStarted)]).unwrap();
+        }
+        assert_eq!(opened[0].events("r3").unwrap().len(), 1);
+    }
+
+    #[test]
     fn a_journal_record_is_never_overwritten() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("db.sqlite");
