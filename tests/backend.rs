@@ -400,8 +400,7 @@ fn the_queue_hands_each_run_to_one_claimer_and_leases_renew(open: Open) {
     }
     a.register_run(&elsewhere("live", now + 60_000)).unwrap();
     a.register_run(&elsewhere("dead", now - 1)).unwrap();
-    a.register_run(&elsewhere("done", now - 1)).unwrap();
-    a.record(&[event("done", 0, EventKind::SagaFinished).data(json!({ "status": "completed" }))]).unwrap();
+    a.register_run(&RunRecord { status: "completed".into(), ..elsewhere("done", now - 1) }).unwrap();
     // Registered within a millisecond or two: the ids, not their order, are what to check.
     let mut unfinished: Vec<String> = b.unfinished_runs().unwrap().into_iter().map(|r| r.run_id).collect();
     unfinished.sort();
@@ -444,8 +443,65 @@ fn the_queue_hands_each_run_to_one_claimer_and_leases_renew(open: Open) {
         (lease_of("q3"), lease_of("dead"), lease_of("live")),
         (Some(lease + 1), Some(lease + 1), Some(now + 60_000))
     );
-    // Once their leases run out, they can be claimed again (their holder died).
-    assert_eq!(b.claim_runs(lease + 2, lease + 10_000, 100).unwrap().len(), 6);
+    // Once their leases run out, this process still does not take them back: it holds them
+    // (its worker is running them; another process's run is taken below).
+    assert!(b.claim_runs(lease + 2, lease + 10_000, 100).unwrap().is_empty(), "a process took back its own runs");
+}
+
+/// A fence: once another process holds a run (this one stalled past its lease, and the
+/// other took the run over), this process's writes of it are refused and write nothing,
+/// records it held back are dropped without failing other runs' commits, and its end does
+/// not overwrite the registry. Runs this process holds are never claimed back by it.
+fn a_run_another_process_took_over_gets_nothing_more_from_this_one(open: Open) {
+    let subject = open(&pools());
+    let (a, b) = (&subject.backend, (subject.reopen)());
+    let elsewhere = "elsewhere/1/0";
+    let theirs =
+        RunRecord { owner: elsewhere.into(), pid: 1, lease_until_ms: Some(now_ms() + 60_000), ..record("theirs") };
+    a.register_run(&theirs).unwrap();
+    a.register_run(&record("mine")).unwrap();
+    let put = |backend: &dyn Backend, allocated: u64| {
+        let mut t = txn(backend);
+        t.put("pools", "p", &format!(r#"{{"allocated":{allocated}}}"#)).unwrap();
+        t
+    };
+    let taken_over = |result: Result<(), CommitError>| {
+        let ok = matches!(&result, Err(CommitError::TakenOver { run_id, owner }) if run_id == "theirs" && owner == elsewhere);
+        assert!(ok, "{result:?}");
+    };
+
+    // A record held back (or, in memory, refused at once) is never written, and the next
+    // commit of another run goes on.
+    let held_back = a.record(&[event("theirs", 0, EventKind::StepStarted)]);
+    assert!(held_back.is_ok() || matches!(held_back, Err(CommitError::TakenOver { .. })), "{held_back:?}");
+    a.commit(&put(&**a, 1), Some(("k1", &json!(1))), &[event("mine", 0, EventKind::StepCompleted)]).unwrap();
+    assert_eq!((seqs(&*b, "mine"), seqs(&*b, "theirs")), (vec![0], vec![]));
+
+    // A step of their run: refused before anything is written (state, cache, journal).
+    taken_over(
+        a.commit(&put(&**a, 2), Some(("k2", &json!(2))), &[event("theirs", 0, EventKind::StepCompleted)]).map(drop),
+    );
+    assert_eq!(text(&b.current_state().unwrap(), "pools", "p").as_deref(), Some(r#"{"allocated":1}"#));
+    assert_eq!(b.cached("k2"), None);
+    // Even when the call's result is already cached: the fence comes first.
+    taken_over(
+        a.commit(&put(&**a, 2), Some(("k1", &json!(1))), &[event("theirs", 0, EventKind::StepCompleted)]).map(drop),
+    );
+    // Its end: refused, and the registry keeps the holder's status.
+    let end = event("theirs", 1, EventKind::SagaFinished).data(json!({ "status": "failed" }));
+    taken_over(a.record(std::slice::from_ref(&end)));
+    let status =
+        |backend: &dyn Backend| backend.runs().unwrap().into_iter().find(|r| r.run_id == "theirs").unwrap().status;
+    assert_eq!((status(&*b), seqs(&*b, "theirs")), ("running".to_string(), vec![]));
+
+    // With every lease run out, a claim takes their run, never this process's own.
+    let later = now_ms() + 120_000;
+    let claimed: Vec<String> = b.claim_runs(later, later + 60_000, 10).unwrap().into_iter().map(|r| r.run_id).collect();
+    assert_eq!(claimed, ["theirs"]);
+    // Then this process writes it again.
+    a.commit(&put(&**a, 3), Some(("k3", &json!(3))), &[event("theirs", 0, EventKind::StepCompleted)]).unwrap();
+    a.record(&[end]).unwrap();
+    assert_eq!((status(&*b), seqs(&*b, "theirs")), ("failed".to_string(), vec![0, 1]));
 }
 
 /// One module per backend, each with every test of the suite.
@@ -465,6 +521,7 @@ macro_rules! conformance {
                 a_commit_that_writes_nothing_never_hides_another_handles_commit,
                 of_two_handles_only_one_adopts_a_run_and_one_delivery_commits,
                 the_queue_hands_each_run_to_one_claimer_and_leases_renew,
+                a_run_another_process_took_over_gets_nothing_more_from_this_one,
             );
         }
     )*};

@@ -851,7 +851,8 @@ fn resumes_started_at_once_run_an_interrupted_run_once(kind: Kind) {
     assert_eq!(db.runs().unwrap()[0].status, "completed");
 }
 
-/// Queues `count` runs of the saga `name` (ids `{name}{batch}-1` and on); returns their ids.
+/// Queues `count` runs of the saga `name` (ids `{name}{batch}-1` and on, or `{name}{batch}`
+/// for one); returns their ids.
 fn submit(dir: &Path, db: &str, name: &str, batch: usize, count: u64) -> Vec<String> {
     let saga = dir.join(format!("{name}.json"));
     let base = format!("{name}{batch}");
@@ -863,7 +864,12 @@ fn submit(dir: &Path, db: &str, name: &str, batch: usize, count: u64) -> Vec<Str
         .unwrap();
     assert!(out.status.success(), "submit {name}: {}", String::from_utf8_lossy(&out.stderr));
     let ids: Vec<String> = String::from_utf8(out.stdout).unwrap().lines().map(String::from).collect();
-    assert_eq!(ids, (1..=count).map(|n| format!("{base}-{n}")).collect::<Vec<_>>(), "submit prints the runs' ids");
+    // One run takes the id as given.
+    let expected: Vec<String> = match count {
+        1 => vec![base],
+        _ => (1..=count).map(|n| format!("{base}-{n}")).collect(),
+    };
+    assert_eq!(ids, expected, "submit prints the runs' ids");
     ids
 }
 
@@ -1085,6 +1091,62 @@ fn workers_recover_when_their_connections_are_terminated() {
     );
 }
 
+/// A worker stalled past its lease in the middle of a call (SIGSTOP: what a starved
+/// process looks like to the others) loses its run to another worker, which finishes it.
+/// Woken while the other still runs it, the stalled worker's call returns and its commit is
+/// refused (a fence): it writes nothing more into the run, compensates nothing, and says
+/// so. The run completes once, as if it had had one holder after the take-over.
+fn a_stalled_worker_writes_nothing_into_a_run_another_took_over(kind: Kind) {
+    let dir = tempfile::tempdir().unwrap();
+    setup(dir.path());
+    set_delay(dir.path(), "completing", 800);
+    let db = Db::new(kind, dir.path(), "stall");
+    let run_id = submit(dir.path(), db.arg(), "completing", 0, 1).remove(0);
+    let monitor = db.open();
+    let worker = |name: &str| {
+        let log = dir.path().join(format!("{name}.log"));
+        let child = sagabox(dir.path())
+            .args(["worker", "--db", db.arg(), "--until-done", "--lease", "1s", "--concurrency", "1"])
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        (child, log)
+    };
+    let signal = |child: &Child, signal: libc::c_int| {
+        // SAFETY: signals a child this test spawned and has not reaped.
+        assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
+    };
+    let (stalled, stalled_log) = worker("stalled");
+    // Stopped inside its second call (of 800 ms), once the first committed.
+    wait_for(Duration::from_secs(120), "the first step committed", || {
+        monitor.events(&run_id).unwrap().iter().any(|e| e.event == EventKind::StepCompleted)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    signal(&stalled, libc::SIGSTOP);
+    let (other, other_log) = worker("other");
+    wait_for(Duration::from_secs(60), "the other worker took the run over", || {
+        monitor.runs().unwrap()[0].pid == other.id()
+    });
+    // Woken while the other worker runs the second call again: its own call has long
+    // returned, and it commits at once.
+    signal(&stalled, libc::SIGCONT);
+    wait_for_workers(vec![(other, other_log), (stalled, stalled_log.clone())], Duration::from_secs(120));
+
+    let log = std::fs::read_to_string(&stalled_log).unwrap();
+    assert!(log.contains("taken over by"), "the stalled worker did not say it lost the run: {log}");
+    assert!(log.contains("1 taken_over"), "{log}");
+    let context = format!("{kind:?}, a worker stalled past its lease");
+    check_queue(&db, &[(run_id.clone(), PLANS[1])], &context);
+    // One life after the take-over: the new holder ran every step left itself (a commit of
+    // the stalled worker's would show up as a replay), and ended the run once.
+    let events = monitor.events(&run_id).unwrap();
+    let kinds: Vec<EventKind> = events.iter().map(|e| e.event).collect();
+    let count = |kind: EventKind| kinds.iter().filter(|k| **k == kind).count();
+    assert!(events.iter().all(|e| e.replayed != Some(true)), "{context}: a step replayed: {kinds:?}");
+    assert_eq!((count(EventKind::SagaResumed), count(EventKind::SagaFinished)), (1, 1), "{context}: {kinds:?}");
+    assert_eq!(count(EventKind::CompensationTriggered), 0, "{context}: {kinds:?}");
+}
+
 /// One module per backend, each with every durable test.
 macro_rules! on_every_backend {
     ($($test:ident),* $(,)?) => {
@@ -1134,4 +1196,5 @@ on_every_backend!(
     processes_mixing_read_only_steps_and_allocations_lose_no_update,
     reusing_a_run_id_names_the_run_and_the_database,
     resumes_started_at_once_run_an_interrupted_run_once,
+    a_stalled_worker_writes_nothing_into_a_run_another_took_over,
 );

@@ -22,17 +22,35 @@ pub struct MemoryBackend {
     registry: Mutex<Registry>,
 }
 
-/// Registered runs and their journals (by run id, then seq).
+/// Registered runs and their journals (by run id).
 #[derive(Debug, Default)]
 struct Registry {
     runs: Vec<RunRecord>,
-    journals: HashMap<String, BTreeMap<u64, Event>>,
+    journals: HashMap<String, Journal>,
+}
+
+/// A registered run's journal (by seq), and where the run is in [`Registry::runs`].
+#[derive(Debug)]
+struct Journal {
+    run: usize,
+    events: BTreeMap<u64, Event>,
 }
 
 impl Registry {
+    /// Refuses `events` of a run another process holds (registered so by a test: in one
+    /// process, runs are this process's).
+    fn fence(&self, events: &[Event]) -> Result<(), CommitError> {
+        for event in events {
+            if let Some(journal) = self.journals.get(&event.run_id) {
+                CommitError::unless_held(&event.run_id, &self.runs[journal.run].owner)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Refuses `events` if one of them is already recorded.
     fn check(&self, events: &[Event]) -> Result<(), CommitError> {
-        match events.iter().find(|e| self.journals.get(&e.run_id).is_some_and(|j| j.contains_key(&e.seq))) {
+        match events.iter().find(|e| self.journals.get(&e.run_id).is_some_and(|j| j.events.contains_key(&e.seq))) {
             Some(event) => Err(CommitError::Backend(duplicate_event(event))),
             None => Ok(()),
         }
@@ -42,10 +60,9 @@ impl Registry {
     fn append(&mut self, events: &[Event]) {
         for event in events {
             let Some(journal) = self.journals.get_mut(&event.run_id) else { continue };
-            journal.insert(event.seq, event.clone());
-            if let Some(status) = finished_status(event)
-                && let Some(run) = self.runs.iter_mut().find(|r| r.run_id == event.run_id)
-            {
+            journal.events.insert(event.seq, event.clone());
+            if let Some(status) = finished_status(event) {
+                let run = &mut self.runs[journal.run];
                 run.status = status.to_string();
                 run.finished_ms = Some(now_ms());
             }
@@ -61,9 +78,11 @@ fn take(run: &mut RunRecord, lease_until_ms: u64) {
     run.lease_until_ms = Some(lease_until_ms);
 }
 
-/// Whether a worker may take `run` at `now_ms`: queued, or unfinished with its lease run out.
+/// Whether a worker may take `run` at `now_ms`: queued, or another process's and unfinished
+/// with its lease run out.
 fn claimable(run: &RunRecord, now_ms: u64) -> bool {
-    run.status == "queued" || (run.status == "running" && run.lease_until_ms.is_some_and(|t| t < now_ms))
+    let abandoned = run.lease_until_ms.is_some_and(|t| t < now_ms) && run.owner != this_process();
+    run.status == "queued" || (run.status == "running" && abandoned)
 }
 
 impl MemoryBackend {
@@ -81,10 +100,11 @@ impl Backend for MemoryBackend {
         // Holding the cache and registry locks across the store commit makes the three one
         // atomic step for their readers.
         let mut results = lock(&self.results);
+        let mut registry = lock(&self.registry);
+        registry.fence(events)?;
         if let Some(output) = result.and_then(|(key, _)| results.get(key)) {
             return Err(CommitError::AlreadyCommitted(output.clone()));
         }
-        let mut registry = lock(&self.registry);
         registry.check(events)?;
         let changes = self.store.commit(txn)?;
         if let Some((key, value)) = result {
@@ -96,6 +116,7 @@ impl Backend for MemoryBackend {
 
     fn record(&self, events: &[Event]) -> Result<(), CommitError> {
         let mut registry = lock(&self.registry);
+        registry.fence(events)?;
         registry.check(events)?;
         registry.append(events);
         Ok(())
@@ -129,7 +150,8 @@ impl Backend for MemoryBackend {
         if registry.journals.contains_key(&run.run_id) {
             return Err(RegisterError::Exists { run_id: run.run_id.clone(), db: "memory".into() });
         }
-        registry.journals.insert(run.run_id.clone(), BTreeMap::new());
+        let journal = Journal { run: registry.runs.len(), events: BTreeMap::new() };
+        registry.journals.insert(run.run_id.clone(), journal);
         registry.runs.push(RunRecord { started_ms: now_ms(), finished_ms: None, ..run.clone() });
         Ok(())
     }
@@ -176,12 +198,12 @@ impl Backend for MemoryBackend {
     }
 
     fn events(&self, run_id: &str) -> Result<Vec<Event>, DbError> {
-        Ok(lock(&self.registry).journals.get(run_id).map(|j| j.values().cloned().collect()).unwrap_or_default())
+        Ok(lock(&self.registry).journals.get(run_id).map(|j| j.events.values().cloned().collect()).unwrap_or_default())
     }
 
     fn journal_bytes(&self, run_id: &str) -> Result<u64, DbError> {
         let registry = lock(&self.registry);
-        let events = registry.journals.get(run_id).into_iter().flat_map(|j| j.values());
+        let events = registry.journals.get(run_id).into_iter().flat_map(|j| j.events.values());
         Ok(events.map(|e| serde_json::to_string(e).map_or(0, |s| s.len() as u64)).sum())
     }
 }

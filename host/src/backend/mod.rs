@@ -43,6 +43,30 @@ pub enum CommitError {
     /// stands.
     #[error("already committed under this idempotency key")]
     AlreadyCommitted(Value),
+    /// The run is no longer this process's: its lease ran out (the process was stalled, or
+    /// cut off from the database) and another process took it over, which now writes its
+    /// journal. This process must stop the run and write nothing more of it.
+    #[error("run '{run_id}' was taken over by {owner} (this process's lease on it ran out)")]
+    TakenOver { run_id: String, owner: String },
+}
+
+impl CommitError {
+    /// Refuses a write of `run_id`'s journal when its registry row names `owner` and that
+    /// is another process ([`holds`]).
+    pub(crate) fn unless_held(run_id: &str, owner: &str) -> Result<(), CommitError> {
+        match holds(owner) {
+            true => Ok(()),
+            false => Err(CommitError::TakenOver { run_id: run_id.to_string(), owner: owner.to_string() }),
+        }
+    }
+}
+
+/// Whether this process may write the journal of a run whose registry row names `owner`:
+/// its own run, or one from before owners were recorded (empty). A commit checks it in its
+/// transaction, so that a process whose run was taken over while it stalled (a fence) never
+/// writes into the new owner's journal.
+pub(crate) fn holds(owner: &str) -> bool {
+    owner.is_empty() || owner == this_process()
 }
 
 /// A storage error, naming the database.
@@ -186,8 +210,10 @@ pub trait Backend: Send + Sync {
     fn adopt_run(&self, run_id: &str, seen: &RunRecord, lease_until_ms: u64) -> Result<bool, DbError>;
 
     /// Takes up to `limit` runs for this process, under a lease until `lease_until_ms`:
-    /// queued runs, and unfinished runs whose lease ran out before `now_ms` (their owner
-    /// died), oldest first. Two processes never take the same run.
+    /// queued runs, and unfinished runs of other processes whose lease ran out before
+    /// `now_ms` (their owner died, or stalled: its later commits are then refused with
+    /// [`CommitError::TakenOver`]), oldest first. Two processes never take the same run, and
+    /// a process never takes back a run it holds (it is still running it).
     fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError>;
 
     /// Extends to `lease_until_ms` the lease of every unfinished run this process holds;

@@ -19,6 +19,7 @@
 //! runtime, which drives the connections, and waits for them (the engine calls it off the
 //! async workers, see [`Backend::blocks`]).
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Mutex, RwLock};
 use std::time::Duration;
@@ -32,8 +33,8 @@ use tokio_postgres::types::ToSql;
 
 use super::sqlite::Durability;
 use super::{
-    Backend, CommitError, DbError, DocRow, RegisterError, RunRecord, UNFINISHED, apply_commits, finished_status, lock,
-    now_ms, this_process, write_at_once,
+    Backend, CommitError, DbError, DocRow, RegisterError, RunRecord, UNFINISHED, apply_commits, finished_status, holds,
+    lock, now_ms, this_process, write_at_once,
 };
 use crate::saga::journal::Event;
 use crate::store::{Change, State, Txn};
@@ -452,13 +453,31 @@ impl PostgresBackend {
     }
 
     /// Writes `pending` (held back earlier), then `events`, in `tx`, and records run ends.
-    /// A record that is already there is an error for `events`; a pending one (of a run whose
-    /// journal another process took over) is dropped with a warning.
-    async fn write_events(&self, tx: &impl GenericClient, pending: &[Event], events: &[Event]) -> Result<(), Failure> {
+    /// `taken_over`: the runs of these events that another process holds, read in `tx`
+    /// ([`HOLDERS`]). Their `events` are refused and their `pending` ones dropped with a
+    /// warning; so is a record that is already there (refused for `events`, dropped if
+    /// pending).
+    async fn write_events(
+        &self,
+        tx: &impl GenericClient,
+        (pending, events): (&[Event], &[Event]),
+        taken_over: &HashMap<String, String>,
+    ) -> Result<(), Failure> {
         if pending.is_empty() && events.is_empty() {
             return Ok(());
         }
-        let all: Vec<&Event> = pending.iter().chain(events).collect();
+        refuse_taken_over(events, taken_over)?;
+        let (pending, dropped): (Vec<&Event>, Vec<&Event>) =
+            pending.iter().partition(|e| !taken_over.contains_key(&e.run_id));
+        if let Some(event) = dropped.first() {
+            let owner = &taken_over[&event.run_id];
+            tracing::warn!(
+                "dropping {} journal records held back of run '{}': taken over by {owner}",
+                dropped.len(),
+                event.run_id
+            );
+        }
+        let all: Vec<&Event> = pending.iter().copied().chain(events).collect();
         let runs: Vec<&str> = all.iter().map(|e| e.run_id.as_str()).collect();
         let seqs: Vec<i64> = all.iter().map(|e| e.seq as i64).collect();
         let bodies = all
@@ -518,7 +537,8 @@ impl PostgresBackend {
     ) -> Result<T, CommitError> {
         let pending = self.take_pending(run_id);
         let written = write(&pending).await;
-        if written.is_err() {
+        // Unless the run is another process's now: then they are dropped.
+        if written.as_ref().is_err_and(|e| !matches!(e, CommitError::TakenOver { .. })) {
             self.restore_pending(pending);
         }
         written
@@ -536,21 +556,24 @@ impl PostgresBackend {
     ) -> Result<Vec<Change>, Failure> {
         let tx = client.transaction().await?;
         let since = self.state.read().unwrap_or_else(|p| p.into_inner()).version() as i64;
-        // One round trip for the three reads (the server runs them in order, so the cache
-        // and the documents are read under the lock): the row lock serializes the commits
-        // of every process and the version follows it; then the result cache; then the
-        // documents other processes wrote since this one's state.
-        let (lock, cached, docs) = (
+        // One round trip for the four reads (the server runs them in order, so the others
+        // are read under the lock): the row lock serializes the commits of every process and
+        // the version follows it; then the result cache; then the documents other processes
+        // wrote since this one's state; then who holds the run (a fence, see HOLDERS).
+        let (lock, cached, docs, holders) = (
             tx.prepare_cached("SELECT value FROM meta WHERE name = 'version' FOR UPDATE").await?,
             tx.prepare_cached("SELECT output FROM results WHERE key = $1").await?,
             tx.prepare_cached(DOCS_SINCE).await?,
+            tx.prepare_cached(HOLDERS).await?,
         );
         let key = result.map_or("", |(key, _)| key);
-        let (key_param, since_param): ([&(dyn ToSql + Sync); 1], [&(dyn ToSql + Sync); 1]) = ([&key], [&since]);
-        let (version, cached, docs) = futures::try_join!(
+        let run_ids = runs_of(pending, events);
+        let params: [[&(dyn ToSql + Sync); 1]; 3] = [[&key], [&since], [&run_ids]];
+        let (version, cached, docs, holders) = futures::try_join!(
             tx.query_one(&lock, &[]),
-            tx.query_opt(&cached, &key_param),
-            tx.query(&docs, &since_param)
+            tx.query_opt(&cached, &params[0]),
+            tx.query(&docs, &params[1]),
+            tx.query(&holders, &params[2]),
         )?;
         let version: i64 = version.get(0);
         if let Some(previous) = changes.as_ref()
@@ -558,6 +581,9 @@ impl PostgresBackend {
         {
             return Ok(previous.clone());
         }
+        // Before the cache: a run another process took over learns it at once.
+        let taken_over = taken_over(&holders);
+        refuse_taken_over(events, &taken_over)?;
         if let Some(row) = cached.filter(|_| result.is_some()) {
             let output = serde_json::from_str(row.get::<_, &str>(0))
                 .map_err(|e| CommitError::Backend(format!("cached result {key}: {e}")))?;
@@ -593,7 +619,7 @@ impl PostgresBackend {
         let run_id = events.first().map_or("", |e| e.run_id.as_str());
         let output = result.map_or(String::new(), |(_, output)| output.to_string());
         futures::try_join!(
-            self.write_events(&tx, pending, events),
+            self.write_events(&tx, (pending, events), &taken_over),
             async { Ok(tx.execute(&put, &[&writes.ns, &writes.keys, &writes.bodies, &next]).await?) },
             async { Ok(tx.execute(&keys, &[&writes.key_sets, &next]).await?) },
             async { Ok(tx.execute(&cache, &[&key, &run_id, &output, &result.is_some()]).await?) },
@@ -627,7 +653,8 @@ impl PostgresBackend {
             if tries > 1 && self.committed_before(&tx, events).await? {
                 return Ok(());
             }
-            self.write_events(&tx, pending, events).await?;
+            let holders = tx.query(&tx.prepare_cached(HOLDERS).await?, &[&runs_of(pending, events)]).await?;
+            self.write_events(&tx, (pending, events), &taken_over(&holders)).await?;
             tx.commit().await?;
             Ok(())
         })
@@ -638,6 +665,33 @@ impl PostgresBackend {
 /// A journal record that is already there: another process writes this run's journal.
 fn duplicate_event(event: &Event) -> String {
     format!("{} (another process writes this run)", super::duplicate_event(event))
+}
+
+/// The holders of the runs `$1` names, locked (`FOR SHARE`) until the transaction ends: a
+/// take-over (`claim_runs`, `adopt_run`) waits for it, or skips the run, and one that
+/// committed first is read here. So a transaction that checks them never writes into a run
+/// another process took over (a fence).
+const HOLDERS: &str = "SELECT run_id, owner FROM runs WHERE run_id = ANY($1) FOR SHARE";
+
+/// The runs whose events are written, for [`HOLDERS`].
+fn runs_of(pending: &[Event], events: &[Event]) -> Vec<String> {
+    let mut run_ids: Vec<String> = pending.iter().chain(events).map(|e| e.run_id.clone()).collect();
+    run_ids.sort_unstable();
+    run_ids.dedup();
+    run_ids
+}
+
+/// The runs [`HOLDERS`] returned that another process holds, with their holders.
+fn taken_over(holders: &[tokio_postgres::Row]) -> HashMap<String, String> {
+    holders.iter().map(|r| (r.get(0), r.get(1))).filter(|(_, owner): &(String, String)| !holds(owner)).collect()
+}
+
+/// Refuses `events` when their run is one of `taken_over`.
+fn refuse_taken_over(events: &[Event], taken_over: &HashMap<String, String>) -> Result<(), CommitError> {
+    match events.iter().find_map(|e| taken_over.get(&e.run_id).map(|owner| (e, owner))) {
+        Some((event, owner)) => CommitError::unless_held(&event.run_id, owner),
+        None => Ok(()),
+    }
 }
 
 fn run_from_row(r: &tokio_postgres::Row) -> RunRecord {
@@ -800,7 +854,7 @@ impl Backend for PostgresBackend {
                 "UPDATE runs SET status = 'running', pid = $1, owner = $2, lease_until_ms = $3
                  WHERE run_id IN (
                      SELECT run_id FROM runs
-                     WHERE status = 'queued' OR (status = 'running' AND lease_until_ms < $4)
+                     WHERE status = 'queued' OR (status = 'running' AND lease_until_ms < $4 AND owner <> $2)
                      ORDER BY started_ms, run_id LIMIT $5 FOR UPDATE SKIP LOCKED)
                  RETURNING {RUN_COLUMNS}"
             );

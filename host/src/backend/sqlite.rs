@@ -18,6 +18,7 @@
 //! nothing. Journal records are never overwritten, a run is taken over by one process at a
 //! time, and a new database is seeded once.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, RwLock};
 use std::time::Duration;
@@ -372,7 +373,25 @@ impl SqliteBackend {
     /// runs' commits.
     fn write_pending(&self, conn: &Connection) -> Result<usize, CommitError> {
         let pending = lock(&self.pending).clone();
+        // Whether this process still holds each run (a run another process took over gets
+        // nothing more from this one: what it held back of it is dropped).
+        let mut held: HashMap<&str, bool> = HashMap::new();
         for event in &pending {
+            let run_id = event.run_id.as_str();
+            let holds_it = match held.get(run_id) {
+                Some(known) => *known,
+                None => {
+                    let owner = owner_of(conn, run_id).map_err(|e| self.commit_error(e))?;
+                    let fenced = owner.map(|o| CommitError::unless_held(run_id, &o)).transpose();
+                    if let Err(e) = &fenced {
+                        tracing::warn!("dropping the journal records this process held back: {e}");
+                    }
+                    *held.entry(run_id).or_insert(fenced.is_ok())
+                }
+            };
+            if !holds_it {
+                continue;
+            }
             match self.write_record(conn, event) {
                 Err(e) if is_constraint(&e) => tracing::warn!("dropping a journal record: {}", duplicate_event(event)),
                 Err(e) => return Err(self.commit_error(e)),
@@ -420,6 +439,13 @@ impl SqliteBackend {
     }
 }
 
+/// The process that holds `run_id`, if the run is registered. Read in a write transaction, it
+/// fences the write: under the write lock, no other process can take the run over before
+/// the write commits.
+fn owner_of(conn: &Connection, run_id: &str) -> rusqlite::Result<Option<String>> {
+    conn.prepare_cached("SELECT owner FROM runs WHERE run_id = ?1")?.query_row(params![run_id], |r| r.get(0)).optional()
+}
+
 fn data_version(conn: &Connection) -> rusqlite::Result<i64> {
     conn.prepare_cached("PRAGMA data_version")?.query_row([], |r| r.get(0))
 }
@@ -457,7 +483,7 @@ impl Backend for SqliteBackend {
         }
         match self.write_step(StepCommit { events: events.to_vec(), ..StepCommit::default() }) {
             Ok(_) => Ok(()),
-            Err(StepError::Duplicate(e)) => Err(e),
+            Err(StepError::Duplicate(e) | StepError::Failed(e @ CommitError::TakenOver { .. })) => Err(e),
             // Kept for the next commit.
             Err(e) => {
                 lock(&self.pending).extend_from_slice(events);
@@ -531,10 +557,10 @@ impl Backend for SqliteBackend {
             let ids: Vec<String> = tx
                 .prepare(
                     "SELECT run_id FROM runs
-                     WHERE status = 'queued' OR (status = 'running' AND lease_until_ms < ?1)
+                     WHERE status = 'queued' OR (status = 'running' AND lease_until_ms < ?1 AND owner <> ?3)
                      ORDER BY started_ms, run_id LIMIT ?2",
                 )?
-                .query_map(params![now_ms as i64, limit as i64], |r| r.get(0))?
+                .query_map(params![now_ms as i64, limit as i64, this_process()], |r| r.get(0))?
                 .collect::<Result<_, _>>()?;
             let mut runs = Vec::with_capacity(ids.len());
             for id in &ids {
@@ -679,7 +705,13 @@ impl SqliteBackend {
                 other => other.map_err(failed)?,
             }
         }
-        // Under the write lock: another delivery of this call that committed first wins.
+        // Under the write lock: a run another process took over is no longer written here...
+        if let Some(run_id) = step.events.first().map(|e| &e.run_id)
+            && let Some(owner) = owner_of(conn, run_id).map_err(failed)?
+        {
+            CommitError::unless_held(run_id, &owner).map_err(StepError::Failed)?;
+        }
+        // ...and another delivery of this call that committed first wins.
         if let Some((key, _)) = &step.result
             && let Some(output) = self.cached_in(conn, key).map_err(StepError::Failed)?
         {

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use super::{Heartbeat, Work, holder_alive, now_ms};
 use crate::backend::{Backend, DbError, RunRecord, this_process};
 use crate::runtime::Runtime;
-use crate::saga::RunReport;
+use crate::saga::{RunReport, Status};
 
 /// How a worker works.
 #[derive(Clone, Debug)]
@@ -138,7 +138,8 @@ impl Tally {
         match finished {
             Finished::Ran { report, succeeded } => {
                 *self.by_status.entry(report.status.as_str().to_string()).or_default() += 1;
-                self.unsuccessful += u64::from(!succeeded);
+                // A run another worker took over is that worker's to finish and count.
+                self.unsuccessful += u64::from(!succeeded && report.status != Status::TakenOver);
             }
             Finished::Failed(_) => {
                 self.errors += 1;

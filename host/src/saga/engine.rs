@@ -215,6 +215,9 @@ pub(super) struct Run<'a> {
     parallel: bool,
     events: Mutex<Vec<Event>>,
     progress: Mutex<Progress>,
+    /// Set when the backend refused a write because another process took the run over: the
+    /// run then stops where it is, starts no call and writes nothing more.
+    taken_over: std::sync::OnceLock<ErrorInfo>,
 }
 
 /// One call the run makes: a step's action or its compensator.
@@ -280,6 +283,7 @@ impl<'a> Run<'a> {
             options,
             started,
             progress: Mutex::new(Progress::new(count)),
+            taken_over: std::sync::OnceLock::new(),
         }
     }
 
@@ -361,7 +365,7 @@ impl<'a> Run<'a> {
     /// Whether the forward phase must start nothing more.
     fn stopping(&self) -> bool {
         let progress = lock(&self.progress);
-        progress.failure.is_some() || progress.timed_out
+        progress.failure.is_some() || progress.timed_out || self.taken_over.get().is_some()
     }
 
     /// Runs `f`, which may block on the backend's storage, off the async workers.
@@ -371,6 +375,9 @@ impl<'a> Run<'a> {
 
     /// Stamps and records events that come with no state change.
     fn emit(&self, event: Event) {
+        if self.taken_over.get().is_some() {
+            return;
+        }
         let recorded = self.append(vec![event], |events| self.backend.record(events));
         if let Err(e) = recorded {
             tracing::error!("cannot record a journal event: {e}");
@@ -393,7 +400,13 @@ impl<'a> Run<'a> {
                 event.run_id = self.options.run_id.clone();
                 event.at_us = at_us;
             }
-            commit(&events)?;
+            if let Err(e) = commit(&events) {
+                if let CommitError::TakenOver { .. } = &e {
+                    tracing::warn!("{e}: this process stops the run");
+                    let _ = self.taken_over.set(taken_over_error(&e));
+                }
+                return Err(e);
+            }
             if let Some(sink) = &self.options.journal {
                 sink.append(&events);
             }
@@ -547,14 +560,20 @@ impl<'a> Run<'a> {
 
         let mut compensated = Vec::new();
         let mut compensation_failures = Vec::new();
-        if let Some(error) = &error {
+        if let Some(error) = error.as_ref().filter(|_| self.taken_over.get().is_none()) {
             (compensated, compensation_failures) = self.compensate(&completed, error).await;
         }
-        let status = match &error {
-            None => Status::Completed,
-            Some(_) if !compensation_failures.is_empty() => Status::CompensationFailed,
-            Some(e) if e.code == SAGA_TIMEOUT => Status::TimedOut,
-            Some(_) => Status::Failed,
+        let status = if let Some(taken_over) = self.taken_over.get() {
+            // Taken over, before or during compensation: the new holder finishes the run.
+            error = Some(taken_over.clone());
+            Status::TakenOver
+        } else {
+            match &error {
+                None => Status::Completed,
+                Some(_) if !compensation_failures.is_empty() => Status::CompensationFailed,
+                Some(e) if e.code == SAGA_TIMEOUT => Status::TimedOut,
+                Some(_) => Status::Failed,
+            }
         };
         let (changes, residue) = self.net_changes(status);
         self.emit(Event::new(EventKind::SagaFinished).data(json!({
@@ -868,6 +887,8 @@ impl<'a> Run<'a> {
                 self.record_replay(call, attempt, &output);
                 Attempt::Delivered { output }
             }
+            // Not retried: the run is another process's now.
+            Err(CallFailure::Commit(e @ CommitError::TakenOver { .. })) => Attempt::Failed(taken_over_error(&e)),
             Err(CallFailure::Commit(e)) => {
                 Attempt::Failed(ErrorInfo::from(&CallError::Host { tool: call.tool.into(), reason: e.to_string() }))
             }
@@ -943,7 +964,7 @@ impl<'a> Run<'a> {
         // call knowing the ones before it, as if each depended on them.
         let concurrency = if matches!(steps, Steps::Arriving(_)) { 1 } else { self.concurrency() };
         loop {
-            while running.len() < concurrency {
+            while running.len() < concurrency && self.taken_over.get().is_none() {
                 let Some(p) = ready.pop() else { break };
                 let (i, forward) = &completed[p];
                 if steps.get(*i).compensator.is_none() || finished_before.contains(i) {
@@ -1111,6 +1132,11 @@ fn recorded_faults(journal: &[Event]) -> Option<FaultPlan> {
 
 const SAGA_TIMEOUT: &str = "saga_timeout";
 const LOST_RESPONSE: &str = "lost_response";
+
+/// Why a run stopped: another process took it over ([`CommitError::TakenOver`]).
+fn taken_over_error(e: &CommitError) -> ErrorInfo {
+    ErrorInfo { code: "taken_over".into(), kind: FailureKind::Contained, message: e.to_string() }
+}
 
 fn lost_response(tool: &str) -> ErrorInfo {
     ErrorInfo {

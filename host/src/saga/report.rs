@@ -18,6 +18,10 @@ pub enum Status {
     CompensationFailed,
     /// The saga's time ran out and every completed step was compensated.
     TimedOut,
+    /// Another process took the run over (this one's lease on it ran out while it stalled):
+    /// this process stopped it there, and the new holder finishes it. Its final status is in
+    /// the database's registry.
+    TakenOver,
 }
 
 impl Status {
@@ -27,6 +31,7 @@ impl Status {
             Status::Failed => "failed",
             Status::CompensationFailed => "compensation_failed",
             Status::TimedOut => "timed_out",
+            Status::TakenOver => "taken_over",
         }
     }
 }

@@ -395,6 +395,7 @@ fn ending(id: &str, report: &RunReport, commit: bool, waiter: &Waiter, reason: O
         crate::saga::Status::Completed => "committed",
         crate::saga::Status::CompensationFailed => "compensation_failed",
         crate::saga::Status::TimedOut => "timed_out",
+        crate::saga::Status::TakenOver => "taken_over",
         _ if matches!(waiter, Waiter::Call(..)) => "rolled_back",
         _ => "aborted",
     };

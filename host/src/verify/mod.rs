@@ -744,6 +744,8 @@ fn judge(
                 Ok("rolled back to the initial state".into())
             }
         }
+        // Campaigns run in memory, in one process: nothing can take a run over.
+        Status::TakenOver => Err("another process took the run over".into()),
         Status::CompensationFailed => {
             let actual = restored_diff();
             let reported: BTreeSet<(String, String, String)> =
