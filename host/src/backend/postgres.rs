@@ -688,8 +688,8 @@ fn taken_over(holders: &[tokio_postgres::Row]) -> HashMap<String, String> {
 
 /// Refuses `events` when their run is one of `taken_over`.
 fn refuse_taken_over(events: &[Event], taken_over: &HashMap<String, String>) -> Result<(), CommitError> {
-    match events.iter().find_map(|e| taken_over.get(&e.run_id).map(|owner| (e, owner))) {
-        Some((event, owner)) => CommitError::unless_held(&event.run_id, owner),
+    match events.iter().find_map(|e| taken_over.get_key_value(&e.run_id)) {
+        Some((run_id, owner)) => Err(CommitError::TakenOver { run_id: run_id.clone(), owner: owner.clone() }),
         None => Ok(()),
     }
 }

@@ -18,7 +18,7 @@
 //! nothing. Journal records are never overwritten, a run is taken over by one process at a
 //! time, and a new database is seeded once.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, RwLock};
 use std::time::Duration;
@@ -373,25 +373,9 @@ impl SqliteBackend {
     /// runs' commits.
     fn write_pending(&self, conn: &Connection) -> Result<usize, CommitError> {
         let pending = lock(&self.pending).clone();
-        // Whether this process still holds each run (a run another process took over gets
-        // nothing more from this one: what it held back of it is dropped).
-        let mut held: HashMap<&str, bool> = HashMap::new();
-        for event in &pending {
-            let run_id = event.run_id.as_str();
-            let holds_it = match held.get(run_id) {
-                Some(known) => *known,
-                None => {
-                    let owner = owner_of(conn, run_id).map_err(|e| self.commit_error(e))?;
-                    let fenced = owner.map(|o| CommitError::unless_held(run_id, &o)).transpose();
-                    if let Err(e) = &fenced {
-                        tracing::warn!("dropping the journal records this process held back: {e}");
-                    }
-                    *held.entry(run_id).or_insert(fenced.is_ok())
-                }
-            };
-            if !holds_it {
-                continue;
-            }
+        // A run another process took over gets nothing more from this one.
+        let taken_over = self.taken_over(conn, pending.iter().map(|e| e.run_id.as_str()))?;
+        for event in pending.iter().filter(|e| !taken_over.contains(e.run_id.as_str())) {
             match self.write_record(conn, event) {
                 Err(e) if is_constraint(&e) => tracing::warn!("dropping a journal record: {}", duplicate_event(event)),
                 Err(e) => return Err(self.commit_error(e)),
@@ -399,6 +383,23 @@ impl SqliteBackend {
             }
         }
         Ok(pending.len())
+    }
+
+    /// Of the runs `run_ids` names, those another process holds (a warning names each).
+    fn taken_over<'a>(
+        &self,
+        conn: &Connection,
+        run_ids: impl Iterator<Item = &'a str>,
+    ) -> Result<HashSet<&'a str>, CommitError> {
+        let (mut seen, mut taken_over) = (HashSet::new(), HashSet::new());
+        for run_id in run_ids.filter(|id| seen.insert(*id)) {
+            let owner = owner_of(conn, run_id).map_err(|e| self.commit_error(e))?;
+            if let Some(Err(e)) = owner.map(|o| CommitError::unless_held(run_id, &o)) {
+                tracing::warn!("dropping the journal records this process held back: {e}");
+                taken_over.insert(run_id);
+            }
+        }
+        Ok(taken_over)
     }
 
     /// Writes `events` in `conn`'s transaction; a record that is already there is an error.
