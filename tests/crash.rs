@@ -1106,7 +1106,7 @@ fn a_stalled_worker_writes_nothing_into_a_run_another_took_over(kind: Kind) {
     let worker = |name: &str| {
         let log = dir.path().join(format!("{name}.log"));
         let child = sagabox(dir.path())
-            .args(["worker", "--db", db.arg(), "--until-done", "--lease", "1s", "--concurrency", "1"])
+            .args(["worker", "--db", db.arg(), "--until-done", "--lease", "2s", "--concurrency", "1"])
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap();
