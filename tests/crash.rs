@@ -1117,6 +1117,8 @@ fn a_stalled_worker_writes_nothing_into_a_run_another_took_over(kind: Kind) {
         assert_eq!(unsafe { libc::kill(child.id() as libc::pid_t, signal) }, 0);
     };
     let (stalled, stalled_log) = worker("stalled");
+    // If the test fails half-way, no worker outlives it (a stopped one would never exit).
+    let mut strays = Strays(vec![stalled.id()]);
     // Stopped inside its second call (of 800 ms), once the first committed.
     wait_for(Duration::from_secs(120), "the first step committed", || {
         monitor.events(&run_id).unwrap().iter().any(|e| e.event == EventKind::StepCompleted)
@@ -1124,6 +1126,7 @@ fn a_stalled_worker_writes_nothing_into_a_run_another_took_over(kind: Kind) {
     std::thread::sleep(Duration::from_millis(300));
     signal(&stalled, libc::SIGSTOP);
     let (other, other_log) = worker("other");
+    strays.0.push(other.id());
     wait_for(Duration::from_secs(60), "the other worker took the run over", || {
         monitor.runs().unwrap()[0].pid == other.id()
     });
@@ -1131,6 +1134,7 @@ fn a_stalled_worker_writes_nothing_into_a_run_another_took_over(kind: Kind) {
     // returned, and it commits at once.
     signal(&stalled, libc::SIGCONT);
     wait_for_workers(vec![(other, other_log), (stalled, stalled_log.clone())], Duration::from_secs(120));
+    strays.0.clear(); // Reaped: their pids may be reused.
 
     let log = std::fs::read_to_string(&stalled_log).unwrap();
     let context = format!("{kind:?}, a worker stalled past its lease; its log: {log}");
@@ -1147,6 +1151,18 @@ fn a_stalled_worker_writes_nothing_into_a_run_another_took_over(kind: Kind) {
         log.contains("taken over by") && log.contains("1 taken_over"),
         "the stalled worker did not say it lost the run: {log}"
     );
+}
+
+/// Processes a test kills (SIGKILL ends a stopped process too) if it ends before reaping them.
+struct Strays(Vec<u32>);
+
+impl Drop for Strays {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            // SAFETY: signals a child of this test that was not reaped.
+            unsafe { libc::kill(*pid as libc::pid_t, libc::SIGKILL) };
+        }
+    }
 }
 
 /// One module per backend, each with every durable test.

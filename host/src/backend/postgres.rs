@@ -453,10 +453,10 @@ impl PostgresBackend {
     }
 
     /// Writes `pending` (held back earlier), then `events`, in `tx`, and records run ends.
-    /// `taken_over`: the runs of these events that another process holds, read in `tx`
-    /// ([`HOLDERS`]). Their `events` are refused and their `pending` ones dropped with a
-    /// warning; so is a record that is already there (refused for `events`, dropped if
-    /// pending).
+    /// `taken_over`: the runs that another process holds, read in `tx` ([`HOLDERS`]); the
+    /// caller has refused `events` of them, and their `pending` ones are dropped with a
+    /// warning. A record that is already there is an error for `events` and dropped with a
+    /// warning if pending.
     async fn write_events(
         &self,
         tx: &impl GenericClient,
@@ -466,7 +466,6 @@ impl PostgresBackend {
         if pending.is_empty() && events.is_empty() {
             return Ok(());
         }
-        refuse_taken_over(events, taken_over)?;
         let (pending, dropped): (Vec<&Event>, Vec<&Event>) =
             pending.iter().partition(|e| !taken_over.contains_key(&e.run_id));
         if let Some(event) = dropped.first() {
@@ -582,7 +581,7 @@ impl PostgresBackend {
             return Ok(previous.clone());
         }
         // Before the cache: a run another process took over learns it at once.
-        let taken_over = taken_over(&holders);
+        let taken_over = held_elsewhere(&holders);
         refuse_taken_over(events, &taken_over)?;
         if let Some(row) = cached.filter(|_| result.is_some()) {
             let output = serde_json::from_str(row.get::<_, &str>(0))
@@ -654,7 +653,9 @@ impl PostgresBackend {
                 return Ok(());
             }
             let holders = tx.query(&tx.prepare_cached(HOLDERS).await?, &[&runs_of(pending, events)]).await?;
-            self.write_events(&tx, (pending, events), &taken_over(&holders)).await?;
+            let taken_over = held_elsewhere(&holders);
+            refuse_taken_over(events, &taken_over)?;
+            self.write_events(&tx, (pending, events), &taken_over).await?;
             tx.commit().await?;
             Ok(())
         })
@@ -682,7 +683,7 @@ fn runs_of(pending: &[Event], events: &[Event]) -> Vec<String> {
 }
 
 /// The runs [`HOLDERS`] returned that another process holds, with their holders.
-fn taken_over(holders: &[tokio_postgres::Row]) -> HashMap<String, String> {
+fn held_elsewhere(holders: &[tokio_postgres::Row]) -> HashMap<String, String> {
     holders.iter().map(|r| (r.get(0), r.get(1))).filter(|(_, owner): &(String, String)| !holds(owner)).collect()
 }
 
