@@ -21,6 +21,7 @@ fn main() {
     let guests = root.join("guest-tools");
     println!("cargo:rerun-if-changed={}", guests.join("Cargo.toml").display());
     println!("cargo:rerun-if-changed={}", guests.join("Cargo.lock").display());
+    println!("cargo:rerun-if-changed={}", guests.join(".cargo").join("config.toml").display());
     for dir in ["toolkit", "plugins", "fixtures"] {
         println!("cargo:rerun-if-changed={}", guests.join(dir).display());
     }
@@ -83,6 +84,8 @@ fn ensure_target() {
 fn build_guests(guests: &Path, target_dir: &Path) {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
+    // From guest-tools/, so that its .cargo/config.toml (the guests' link options) applies.
+    cmd.current_dir(guests);
     cmd.args(["build", "--release", "--target", TARGET, "--workspace", "--manifest-path"])
         .arg(guests.join("Cargo.toml"))
         .arg("--target-dir")

@@ -650,29 +650,63 @@ fn get_flight_status(store: &mut dyn Store, args: &Value) -> Result<Value, ToolE
     Ok(instance(&flight, number, date)?["status"].clone())
 }
 
-/// Whether a flight document's text may have `field` equal to `value`, without parsing it.
+/// A pre-filter on flight documents' texts: whether one may have `field` equal to `value`,
+/// decided without parsing it. Built once per search, so that scanning hundreds of flights
+/// allocates nothing per flight.
+///
 /// The store keeps canonical JSON (sorted keys, no white space), where a top-level field of a
 /// flight sits near the end, after `dates`: the last `"field":` is the top-level one when only
 /// the object's closing brace follows it (no `{` or `[`, one `}`; braces inside strings only
 /// make this check fail). Otherwise every place the text names the field is looked at, and a
 /// text that never names it is parsed anyway.
-fn may_have(text: &str, field: &str, value: &str) -> bool {
-    let name = format!("\"{field}\":");
-    let wanted = serde_json::to_string(value).unwrap_or_default();
-    if let Some(at) = text.rfind(&name) {
-        let tail = &text[at..];
-        if !tail.contains(['{', '[']) && tail.matches('}').count() == 1 {
-            return tail[name.len()..].starts_with(&wanted);
-        }
+struct FieldIs {
+    /// `"field":`
+    name: String,
+    /// `value` as a JSON string.
+    wanted: String,
+}
+
+impl FieldIs {
+    fn new(field: &str, value: &str) -> FieldIs {
+        FieldIs { name: format!("\"{field}\":"), wanted: serde_json::to_string(value).unwrap_or_default() }
     }
-    let mut named = false;
-    for (at, _) in text.match_indices(&name) {
-        if text[at + name.len()..].starts_with(&wanted) {
-            return true;
+
+    fn may_hold(&self, text: &str) -> bool {
+        let (text, name, wanted) = (text.as_bytes(), self.name.as_bytes(), self.wanted.as_bytes());
+        if let Some(at) = last_index_of(text, name) {
+            let tail = &text[at..];
+            let only_closing_brace_follows =
+                !tail.iter().any(|b| matches!(b, b'{' | b'[')) && tail.iter().filter(|&&b| b == b'}').count() == 1;
+            if only_closing_brace_follows {
+                return tail[name.len()..].starts_with(wanted);
+            }
         }
-        named = true;
+        let mut named = false;
+        let mut from = 0;
+        while let Some(at) = index_of(&text[from..], name).map(|i| from + i) {
+            if text[at + name.len()..].starts_with(wanted) {
+                return true;
+            }
+            named = true;
+            from = at + 1;
+        }
+        !named
     }
-    !named
+}
+
+/// Where `needle` (not empty) starts in `haystack` first.
+fn index_of(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    (0..=haystack.len().checked_sub(needle.len())?).find(|&i| starts_at(haystack, needle, i))
+}
+
+/// Where `needle` (not empty) starts in `haystack` last.
+fn last_index_of(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    (0..=haystack.len().checked_sub(needle.len())?).rev().find(|&i| starts_at(haystack, needle, i))
+}
+
+/// Whether `needle` (not empty, fitting) stands at `i`; the first byte decides most places.
+fn starts_at(haystack: &[u8], needle: &[u8], i: usize) -> bool {
+    haystack[i] == needle[0] && haystack[i..i + needle.len()] == *needle
 }
 
 /// What a search needs of a flight: its fields, and its records for the dates searched.
@@ -786,8 +820,8 @@ fn direct_flight(flight: &Flight, day: &Value, date: Option<&str>) -> Value {
 
 fn search_direct_flight(store: &mut dyn Store, args: &Value) -> Result<Value, ToolError> {
     let (origin, destination, date) = (str_arg(args, "origin")?, str_arg(args, "destination")?, str_arg(args, "date")?);
-    let flights =
-        scan_flights(store, &[date], |t| may_have(t, "origin", origin) && may_have(t, "destination", destination))?;
+    let (from, to) = (FieldIs::new("origin", origin), FieldIs::new("destination", destination));
+    let flights = scan_flights(store, &[date], |t| from.may_hold(t) && to.may_hold(t))?;
     let found = direct(&flights, date, Some(origin), Some(destination), None);
     Ok(found.into_iter().map(|(flight, day)| direct_flight(flight, day, None)).collect())
 }
@@ -798,8 +832,8 @@ fn search_onestop_flight(store: &mut dyn Store, args: &Value) -> Result<Value, T
     // on the date or (after an overnight first leg) the next day.
     let next_day = add_days(date, 1);
     let dates: Vec<&str> = [Some(date), next_day.as_deref()].into_iter().flatten().collect();
-    let flights =
-        scan_flights(store, &dates, |t| may_have(t, "origin", origin) || may_have(t, "destination", destination))?;
+    let (from, to) = (FieldIs::new("origin", origin), FieldIs::new("destination", destination));
+    let flights = scan_flights(store, &dates, |t| from.may_hold(t) || to.may_hold(t))?;
     let mut from_stop: BTreeMap<&str, Vec<&Flight>> = BTreeMap::new();
     for flight in flights.iter().filter(|f| f.destination == destination) {
         from_stop.entry(flight.origin.as_str()).or_default().push(flight);
@@ -816,4 +850,58 @@ fn search_onestop_flight(store: &mut dyn Store, args: &Value) -> Result<Value, T
         }
     }
     Ok(Value::Array(pairs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A flight as the store keeps it: canonical text, `dates` first, the top-level fields after.
+    fn flight(origin: &str, destination: &str) -> String {
+        crate::to_json(&json!({
+            "flight_number": "HAT001",
+            "origin": origin,
+            "destination": destination,
+            "scheduled_departure_time_est": "06:00:00",
+            "scheduled_arrival_time_est": "14:30:00",
+            "dates": {
+                "2024-05-16": { "status": "available", "available_seats": { "economy": 9 }, "prices": { "economy": 238 } },
+                "2024-05-17": { "status": "landed", "origin": "JFK", "note": "{\"destination\":\"JFK\"}" }
+            }
+        }))
+    }
+
+    /// What the pre-filter must never get wrong: a document whose top-level field holds the value.
+    /// (Texts are canonical, as the store keeps every document.)
+    fn holds(text: &str, field: &str, value: &str) -> bool {
+        serde_json::from_str::<Value>(text).is_ok_and(|doc| doc[field] == value)
+    }
+
+    #[test]
+    fn the_flight_prefilter_keeps_every_match_and_drops_canonical_non_matches() {
+        let texts = [
+            flight("SFO", "JFK"),
+            flight("JFK", "SFO"),
+            flight("SF", "JF"),
+            flight("SFO\"", "J\\FK"),
+            r#"{"origin":"SFO","dates":{"x":{"origin":"JFK"}}}"#.to_string(),
+            r#"{"dates":{}}"#.to_string(),
+            r#"{"destination":"JFK","note":"}{["}"#.to_string(),
+        ];
+        for text in &texts {
+            for (field, value) in [("origin", "SFO"), ("origin", "JFK"), ("destination", "JFK"), ("destination", "SFO")]
+            {
+                let filter = FieldIs::new(field, value);
+                if holds(text, field, value) {
+                    assert!(filter.may_hold(text), "{field}={value} dropped from {text}");
+                }
+            }
+        }
+        // On canonical flights the filter decides without parsing: a different value is dropped.
+        for (field, value, text) in
+            [("origin", "JFK", &texts[0]), ("destination", "SFO", &texts[0]), ("origin", "SFO", &texts[2])]
+        {
+            assert!(!FieldIs::new(field, value).may_hold(text), "{field}={value} kept in {text}");
+        }
+    }
 }

@@ -84,6 +84,11 @@ impl Engines {
             // Host functions (WASI, the store) run on the same fiber stack as the guest.
             .async_stack_size(stack + (1 << 20))
             .wasm_backtrace_max_frames(std::num::NonZeroUsize::new(32));
+        // `SAGABOX_PERFMAP=1` names the guests' compiled functions for `perf report`
+        // (/tmp/perf-<pid>.map), so a profile shows where the time inside a plugin goes.
+        if std::env::var_os("SAGABOX_PERFMAP").is_some_and(|v| v == "1") {
+            config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+        }
         if self.options.pooling {
             let slots = self.options.max_concurrent_calls;
             let mut pool = PoolingAllocationConfig::new();

@@ -487,9 +487,10 @@ type StoreResult<T> = wasmtime::Result<(Result<T, StoreError>,)>;
 
 fn add_store(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
     let mut store = linker.instance("sagabox:plugin/store@0.1.0")?;
-    store.func_wrap("get", |mut cx, (ns, key): (String, String)| -> StoreResult<Option<String>> {
+    // The shared text is lowered into the guest's memory as it is: no host-side copy.
+    store.func_wrap("get", |mut cx, (ns, key): (String, String)| -> StoreResult<Option<Arc<str>>> {
         let state = cx.data_mut();
-        let got = state.granted().get(&ns, &key).map(|t| t.map(|t| t.to_string()));
+        let got = state.granted().get(&ns, &key);
         state.answer(got)
     })?;
     store.func_wrap("put", |mut cx, (ns, key, doc): (String, String, String)| -> StoreResult<()> {

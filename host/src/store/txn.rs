@@ -61,7 +61,59 @@ pub struct Conflict {
     pub key: String,
 }
 
-type Key = (String, String);
+/// Values by namespace, then key: looked up with borrowed names, so a read of a document the
+/// call already read allocates nothing (a `(String, String)` key would need both copied).
+#[derive(Clone, Debug)]
+struct ByDoc<V> {
+    by_ns: BTreeMap<String, BTreeMap<String, V>>,
+    len: usize,
+}
+
+impl<V> Default for ByDoc<V> {
+    fn default() -> Self {
+        ByDoc { by_ns: BTreeMap::new(), len: 0 }
+    }
+}
+
+impl<V> ByDoc<V> {
+    fn get(&self, ns: &str, key: &str) -> Option<&V> {
+        self.by_ns.get(ns)?.get(key)
+    }
+
+    fn contains(&self, ns: &str, key: &str) -> bool {
+        self.get(ns, key).is_some()
+    }
+
+    /// Sets `ns`/`key` to `value`, replacing what was there.
+    fn insert(&mut self, ns: &str, key: &str, value: V) {
+        if let Some(slot) = self.by_ns.get_mut(ns).and_then(|keys| keys.get_mut(key)) {
+            *slot = value;
+            return;
+        }
+        self.by_ns.entry(ns.to_string()).or_default().insert(key.to_string(), value);
+        self.len += 1;
+    }
+
+    /// Sets `ns`/`key` to `value` unless it holds one already.
+    fn insert_new(&mut self, ns: &str, key: &str, value: V) {
+        if !self.contains(ns, key) {
+            self.insert(ns, key, value);
+        }
+    }
+
+    /// The entries of `ns` whose key starts with `prefix`, in key order.
+    fn with_prefix<'a>(&'a self, ns: &str, prefix: &'a str) -> impl Iterator<Item = (&'a String, &'a V)> + 'a {
+        let keys = self.by_ns.get(ns);
+        keys.into_iter()
+            .flat_map(move |keys| keys.range::<str, _>((std::ops::Bound::Included(prefix), std::ops::Bound::Unbounded)))
+            .take_while(move |(key, _)| key.starts_with(prefix))
+    }
+
+    /// Every entry, in (namespace, key) order.
+    fn iter(&self) -> impl Iterator<Item = (&str, &str, &V)> {
+        self.by_ns.iter().flat_map(|(ns, keys)| keys.iter().map(move |(key, v)| (ns.as_str(), key.as_str(), v)))
+    }
+}
 
 /// Reads and buffered writes of one call.
 #[derive(Clone, Debug)]
@@ -70,11 +122,11 @@ pub struct Txn {
     quota: WriteQuota,
     caps: StoreCaps,
     /// Version of every document read from the snapshot (`None`: it was absent).
-    reads: BTreeMap<Key, Option<u64>>,
+    reads: ByDoc<Option<u64>>,
     /// Namespaces listed, with their key-set version at the snapshot.
     listed: BTreeMap<String, u64>,
     /// Pending writes; `None` deletes.
-    writes: BTreeMap<Key, Option<Arc<str>>>,
+    writes: ByDoc<Option<Arc<str>>>,
     bytes_written: usize,
     write_ops: usize,
 }
@@ -85,9 +137,9 @@ impl Txn {
             base,
             quota,
             caps: StoreCaps::default(),
-            reads: BTreeMap::new(),
+            reads: ByDoc::default(),
             listed: BTreeMap::new(),
-            writes: BTreeMap::new(),
+            writes: ByDoc::default(),
             bytes_written: 0,
             write_ops: 0,
         }
@@ -105,12 +157,11 @@ impl Txn {
     }
 
     pub fn get(&mut self, ns: &str, key: &str) -> Option<Arc<str>> {
-        let id = (ns.to_string(), key.to_string());
-        if let Some(pending) = self.writes.get(&id) {
+        if let Some(pending) = self.writes.get(ns, key) {
             return pending.clone();
         }
         let doc = self.base.get(ns, key);
-        self.reads.entry(id).or_insert(doc.map(|d| d.version));
+        self.reads.insert_new(ns, key, doc.map(|d| d.version));
         doc.map(|d| d.text.clone())
     }
 
@@ -118,9 +169,8 @@ impl Txn {
     /// read set past its cap.
     pub fn try_get(&mut self, ns: &str, key: &str) -> Result<Option<Arc<str>>, TxnError> {
         self.check_names(ns, key)?;
-        let id = (ns.to_string(), key.to_string());
-        let known = self.writes.contains_key(&id) || self.reads.contains_key(&id);
-        if !known && self.reads.len() >= self.caps.distinct_reads {
+        let known = self.writes.contains(ns, key) || self.reads.contains(ns, key);
+        if !known && self.reads.len >= self.caps.distinct_reads {
             let limit = format!("{} distinct documents per call", self.caps.distinct_reads);
             return Err(cap("read set", limit, format!("reading {ns}/{} would exceed it", short(key))));
         }
@@ -138,7 +188,7 @@ impl Txn {
             reason: e.to_string(),
         })?;
         self.charge(canonical.len() + ns.len() + key.len())?;
-        self.writes.insert((ns.to_string(), key.to_string()), Some(canonical.into()));
+        self.writes.insert(ns, key, Some(canonical.into()));
         Ok(())
     }
 
@@ -147,7 +197,7 @@ impl Txn {
         self.check_names(ns, key)?;
         self.charge(ns.len() + key.len())?;
         let existed = self.get(ns, key).is_some();
-        self.writes.insert((ns.to_string(), key.to_string()), None);
+        self.writes.insert(ns, key, None);
         Ok(existed)
     }
 
@@ -161,7 +211,7 @@ impl Txn {
     pub fn try_list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, TxnError> {
         self.check_names(ns, prefix)?;
         let limit = self.caps.listed_keys;
-        let deleted = self.writes.iter().filter(|((w, k), t)| w == ns && k.starts_with(prefix) && t.is_none()).count();
+        let deleted = self.writes.with_prefix(ns, prefix).filter(|(_, t)| t.is_none()).count();
         let keys = self.keys(ns, prefix, limit.saturating_add(deleted).saturating_add(1));
         if keys.len() > limit {
             let detail = format!("{ns} has more keys starting with '{}'", short(prefix));
@@ -174,15 +224,18 @@ impl Txn {
     fn keys(&mut self, ns: &str, prefix: &str, take: usize) -> Vec<String> {
         let namespace = self.base.namespace(ns);
         self.listed.entry(ns.to_string()).or_insert(namespace.map_or(0, |n| n.keys_version));
-        let mut keys: std::collections::BTreeSet<String> =
-            namespace.map(|n| n.keys_with_prefix(prefix).take(take).cloned().collect()).unwrap_or_default();
-        for ((wns, key), text) in &self.writes {
-            if wns == ns && key.starts_with(prefix) {
-                if text.is_some() {
-                    keys.insert(key.clone());
-                } else {
-                    keys.remove(key);
-                }
+        let snapshot = namespace.into_iter().flat_map(|n| n.keys_with_prefix(prefix).take(take));
+        let mut written = self.writes.with_prefix(ns, prefix).peekable();
+        if written.peek().is_none() {
+            // The common case: nothing of this call's own to lay over the snapshot.
+            return snapshot.cloned().collect();
+        }
+        let mut keys: std::collections::BTreeSet<String> = snapshot.cloned().collect();
+        for (key, text) in written {
+            if text.is_some() {
+                keys.insert(key.clone());
+            } else {
+                keys.remove(key);
             }
         }
         keys.into_iter().collect()
@@ -227,19 +280,19 @@ impl Txn {
     }
 
     pub fn is_read_only(&self) -> bool {
-        self.writes.is_empty()
+        self.writes.len == 0
     }
 
     /// Pending writes in key order.
     pub fn writes(&self) -> impl Iterator<Item = (&str, &str, Option<&Arc<str>>)> {
-        self.writes.iter().map(|((ns, key), text)| (ns.as_str(), key.as_str(), text.as_ref()))
+        self.writes.iter().map(|(ns, key, text)| (ns, key, text.as_ref()))
     }
 
     /// Refuses the transaction if `current` differs from the snapshot in anything it read.
     pub fn validate(&self, current: &State) -> Result<(), Conflict> {
-        for ((ns, key), version) in &self.reads {
+        for (ns, key, version) in self.reads.iter() {
             if current.get(ns, key).map(|d| d.version) != *version {
-                return Err(Conflict { namespace: ns.clone(), key: key.clone() });
+                return Err(Conflict { namespace: ns.to_string(), key: key.to_string() });
             }
         }
         for (ns, keys_version) in &self.listed {
