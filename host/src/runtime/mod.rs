@@ -839,4 +839,27 @@ mod tests {
         assert!(conflict_backoff(MAX_COMMIT_RUNS, Some(soon)) <= Duration::from_micros(100));
         assert_eq!(conflict_backoff(3, Some(Instant::now())), Duration::ZERO);
     }
+
+    /// The initial pages of the largest memory that `wasm` (a component) declares.
+    fn initial_pages(wasm: &[u8]) -> u64 {
+        let mut largest = 0;
+        for payload in wasmparser::Parser::new(0).parse_all(wasm) {
+            if let Ok(wasmparser::Payload::MemorySection(memories)) = payload {
+                for memory in memories.into_iter().flatten() {
+                    largest = largest.max(memory.initial);
+                }
+            }
+        }
+        largest
+    }
+
+    /// guest-tools/.cargo/config.toml links the bundled plugins with 2 MiB of initial memory,
+    /// so that their calls rarely grow it; the build applies it only when it runs cargo from
+    /// guest-tools/ (host/build.rs).
+    #[test]
+    fn bundled_plugins_start_with_two_mib_of_linear_memory() {
+        for plugin in crate::bundled::BUNDLED {
+            assert_eq!(initial_pages(plugin.wasm), 32, "{}: initial pages of its memory", plugin.name);
+        }
+    }
 }
