@@ -87,6 +87,32 @@ async fn every_hostile_tool_is_contained_with_its_typed_error() {
     assert!(started.elapsed() < Duration::from_secs(3));
 }
 
+/// `store.find` from a sandbox: the host filters, sees the call's own writes, refuses a
+/// condition that is not JSON with the namespace and path named, and stops a find in a
+/// namespace the policy does not grant as it stops a `get` there.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_find_filters_on_the_host_within_the_plugins_grants() {
+    let runtime = runtime().await;
+    let store = MemoryStore::new(travel_state());
+    let snoop = |namespace: &str, path: Value, value: &str| json!({ "namespace": namespace, "conditions": [{ "path": path, "value": value }] });
+    let call = |args: Value| {
+        let store = &store;
+        let runtime = &runtime;
+        async move { runtime.call("hostile.snoop", &args, &context("k"), store).await.result }
+    };
+    // Every hostile call first writes scratch/<tool> = {"started": true}: a write of its own.
+    assert_eq!(call(snoop("scratch", json!(["started"]), "true")).await.unwrap(), json!(["snoop"]));
+    assert_eq!(call(snoop("scratch", json!(["started"]), "false")).await.unwrap(), json!([]));
+    assert_eq!(call(snoop("scratch", json!(["started", "x"]), "true")).await.unwrap(), json!([]));
+    let e = call(snoop("scratch", json!(["started"]), "{tru")).await.unwrap_err();
+    assert!(
+        matches!(&e, CallError::InvalidInput { message, .. } if message.contains("scratch") && message.contains("'started'")),
+        "{e}"
+    );
+    let e = contained(&runtime, "snoop", snoop("flights", json!(["origin"]), r#""SFO""#), CallOptions::default()).await;
+    assert!(matches!(&e, CallError::AccessDenied { what, .. } if what.contains("'flights'")), "{e}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn the_host_environment_never_reaches_a_plugin() {
     assert!(std::env::var("PATH").is_ok());

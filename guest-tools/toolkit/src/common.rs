@@ -46,6 +46,69 @@ pub trait Store {
     fn put(&mut self, ns: &str, key: &str, doc: &str) -> Result<(), ToolError>;
     fn delete(&mut self, ns: &str, key: &str) -> Result<bool, ToolError>;
     fn list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, ToolError>;
+    /// The documents of `ns` whose keys start with `prefix` and that hold every condition,
+    /// as (key, document) pairs in key order: the host filters, so only matches come back.
+    fn find(&mut self, ns: &str, prefix: &str, conditions: &[FieldIs]) -> Result<Vec<(String, String)>, ToolError>;
+}
+
+/// A condition of [`Store::find`]: the value at `path` (field names from the top) is `value`
+/// (JSON text).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldIs {
+    pub path: Vec<String>,
+    pub value: String,
+}
+
+impl FieldIs {
+    /// The string at `path` is `value`.
+    pub fn string(path: &[&str], value: &str) -> FieldIs {
+        FieldIs { path: path.iter().map(|p| p.to_string()).collect(), value: to_json(&Value::from(value)) }
+    }
+}
+
+/// Documents by (namespace, key), as JSON text, in a map: the store that tests and the native
+/// peer benchmark run the tools on outside the host (documents are stored as given).
+#[derive(Clone, Debug, Default)]
+pub struct MapStore(pub std::collections::HashMap<(String, String), String>);
+
+impl Store for MapStore {
+    fn get(&mut self, ns: &str, key: &str) -> Result<Option<String>, ToolError> {
+        Ok(self.0.get(&(ns.to_string(), key.to_string())).cloned())
+    }
+    fn put(&mut self, ns: &str, key: &str, doc: &str) -> Result<(), ToolError> {
+        self.0.insert((ns.to_string(), key.to_string()), doc.to_string());
+        Ok(())
+    }
+    fn delete(&mut self, ns: &str, key: &str) -> Result<bool, ToolError> {
+        Ok(self.0.remove(&(ns.to_string(), key.to_string())).is_some())
+    }
+    fn list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, ToolError> {
+        let mut keys: Vec<String> =
+            self.0.keys().filter(|(n, k)| n == ns && k.starts_with(prefix)).map(|(_, k)| k.clone()).collect();
+        keys.sort();
+        Ok(keys)
+    }
+    fn find(&mut self, ns: &str, prefix: &str, conditions: &[FieldIs]) -> Result<Vec<(String, String)>, ToolError> {
+        find_by_reading(self, ns, prefix, conditions)
+    }
+}
+
+/// [`Store::find`] by listing and reading every document: for stores that cannot filter
+/// themselves (tests, benchmarks). Documents must be canonical, as the host keeps them.
+pub fn find_by_reading(
+    store: &mut (impl Store + ?Sized),
+    ns: &str,
+    prefix: &str,
+    conditions: &[FieldIs],
+) -> Result<Vec<(String, String)>, ToolError> {
+    let mut found = Vec::new();
+    for key in store.list(ns, prefix)? {
+        let Some(text) = store.get(ns, &key)? else { continue };
+        if conditions.iter().all(|c| crate::json_text::holds(&text, &c.path, &c.value)) {
+            found.push((key, text));
+        }
+    }
+    Ok(found)
 }
 
 /// JSON documents on top of [`Store`].

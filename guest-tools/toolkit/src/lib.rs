@@ -11,6 +11,7 @@ pub mod airline;
 mod common;
 pub mod hotel;
 pub mod inventory;
+pub mod json_text;
 pub mod payment;
 pub mod rental;
 pub mod resources;
@@ -20,7 +21,8 @@ pub mod taubench_airline;
 pub mod taubench_retail;
 
 pub use common::{
-    Args, Context, Plugin, Store, StoreErrorKind, StoreExt, ToolError, ToolSpec, compensator_schema, to_json,
+    Args, Context, FieldIs, MapStore, Plugin, Store, StoreErrorKind, StoreExt, ToolError, ToolSpec, compensator_schema,
+    find_by_reading, to_json,
 };
 pub use serde_json::{Value, json};
 
@@ -89,6 +91,18 @@ macro_rules! export_plugin {
             }
             fn list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, $crate::ToolError> {
                 wit_store::list(ns, prefix).map_err(store_error)
+            }
+            fn find(
+                &mut self,
+                ns: &str,
+                prefix: &str,
+                conditions: &[$crate::FieldIs],
+            ) -> Result<Vec<(String, String)>, $crate::ToolError> {
+                let conditions: Vec<wit_store::FieldIs> = conditions
+                    .iter()
+                    .map(|c| wit_store::FieldIs { path: c.path.clone(), value: c.value.clone() })
+                    .collect();
+                wit_store::find(ns, prefix, &conditions).map_err(store_error)
             }
         }
 

@@ -13,7 +13,8 @@
 
 use serde_json::{Map, Number, Value, json};
 
-use crate::common::{Context, Store, StoreExt, ToolError, ToolSpec, unknown_tool};
+use crate::common::{Context, Store, StoreExt, ToolError, ToolSpec, to_json, unknown_tool};
+use crate::json_text::{Span, span_at, top_fields};
 
 pub fn string() -> Value {
     json!({ "type": "string" })
@@ -175,6 +176,11 @@ fn same(a: &Value, b: &Value) -> bool {
 
 /// The documents a call reads and changes, written back together by [`Docs::flush`]. When
 /// `record` is set, every change is also noted as an edit for the compensator.
+///
+/// A document stays the text the store returned until something needs it whole: [`Docs::at`]
+/// parses only the value at its path, and [`Docs::set`] of a field that exists replaces that
+/// value's text. A seat count moved on a 4 KB flight document then costs a scan of its text,
+/// not a tree of every date built, copied and printed again.
 pub struct Docs<'s> {
     store: &'s mut dyn Store,
     loaded: Vec<Loaded>,
@@ -188,8 +194,28 @@ type Parent<'a> = (usize, &'a mut Map<String, Value>);
 struct Loaded {
     ns: String,
     key: String,
-    doc: Option<Value>,
+    body: Body,
     dirty: bool,
+    /// The path and range of the value [`Docs::span`] found last in `body`'s text.
+    last_span: Option<(Vec<String>, std::ops::Range<usize>)>,
+}
+
+/// What [`Docs::replace_in_text`] did.
+enum InText {
+    /// The field was there, with this value.
+    Replaced(Value),
+    /// The field was there, with the same value.
+    Unchanged,
+    /// The document is not held as text, or the field is not there: `set` works on the tree.
+    NotHere,
+}
+
+/// A document as a call holds it.
+enum Body {
+    Absent,
+    /// The text as the store keeps it (canonical), possibly with values replaced in place.
+    Text(String),
+    Tree(Value),
 }
 
 impl<'s> Docs<'s> {
@@ -201,25 +227,87 @@ impl<'s> Docs<'s> {
         if let Some(i) = self.loaded.iter().position(|l| l.ns == ns && l.key == key) {
             return Ok(i);
         }
-        let doc = self.store.doc(ns, key)?;
-        self.loaded.push(Loaded { ns: ns.to_string(), key: key.to_string(), doc, dirty: false });
+        let body = self.store.get(ns, key)?.map_or(Body::Absent, Body::Text);
+        self.loaded.push(Loaded { ns: ns.to_string(), key: key.to_string(), body, dirty: false, last_span: None });
         Ok(self.loaded.len() - 1)
+    }
+
+    /// The document at `i` as a tree, parsing its text the first time.
+    fn tree(&mut self, i: usize) -> Result<Option<&mut Value>, ToolError> {
+        let loaded = &mut self.loaded[i];
+        if let Body::Text(text) = &loaded.body {
+            let tree = serde_json::from_str(text)
+                .map_err(|e| ToolError::Transient(format!("{}/{} is not JSON: {e}", loaded.ns, loaded.key)))?;
+            loaded.body = Body::Tree(tree);
+        }
+        Ok(match &mut loaded.body {
+            Body::Tree(tree) => Some(tree),
+            _ => None,
+        })
+    }
+
+    /// Whether the document exists (as this call left it so far).
+    pub fn exists(&mut self, ns: &str, key: &str) -> Result<bool, ToolError> {
+        let i = self.index(ns, key)?;
+        Ok(!matches!(self.loaded[i].body, Body::Absent))
     }
 
     /// The document as this call left it so far.
     pub fn load(&mut self, ns: &str, key: &str) -> Result<Option<Value>, ToolError> {
         let i = self.index(ns, key)?;
-        Ok(self.loaded[i].doc.clone())
+        Ok(self.tree(i)?.cloned())
     }
 
     /// The value at `path` in a document (None: no document, or nothing there).
     pub fn at(&mut self, ns: &str, key: &str, path: &[&str]) -> Result<Option<Value>, ToolError> {
         let i = self.index(ns, key)?;
-        let mut value = self.loaded[i].doc.as_ref();
+        match self.span(i, path) {
+            Some(Span::Missing) => return Ok(None),
+            Some(Span::At(range)) => return self.parse_part(i, range).map(Some),
+            Some(Span::Unreadable) | None => {}
+        }
+        let mut value = self.tree(i)?.map(|v| &*v);
         for p in path {
             value = value.and_then(|v| v.get(*p));
         }
         Ok(value.cloned())
+    }
+
+    /// The top-level fields `names` of a document (None: no document, or no such field),
+    /// read in one pass over its text.
+    pub fn fields(&mut self, ns: &str, key: &str, names: &[&str]) -> Result<Vec<Option<Value>>, ToolError> {
+        let i = self.index(ns, key)?;
+        if let Body::Text(text) = &self.loaded[i].body
+            && let Some(found) = top_fields(text, names)
+        {
+            return found.into_iter().map(|range| range.map(|r| self.parse_part(i, r)).transpose()).collect();
+        }
+        names.iter().map(|name| self.at(ns, key, &[name])).collect()
+    }
+
+    /// Where `path` is in document `i`, if it is held as text. The last span found is kept,
+    /// so that a `set` after an `at` of the same path does not scan again.
+    fn span(&mut self, i: usize, path: &[&str]) -> Option<Span> {
+        let loaded = &mut self.loaded[i];
+        let Body::Text(text) = &loaded.body else { return None };
+        if let Some((known, range)) = &loaded.last_span
+            && known.iter().eq(path.iter())
+        {
+            return Some(Span::At(range.clone()));
+        }
+        let span = span_at(text, path);
+        if let Span::At(range) = &span {
+            loaded.last_span = Some((path.iter().map(|p| p.to_string()).collect(), range.clone()));
+        }
+        Some(span)
+    }
+
+    /// The value in `range` of the text of document `i`.
+    fn parse_part(&self, i: usize, range: std::ops::Range<usize>) -> Result<Value, ToolError> {
+        let Loaded { ns, key, body: Body::Text(text), .. } = &self.loaded[i] else {
+            unreachable!("parse_part is only called on a document held as text")
+        };
+        serde_json::from_str(&text[range]).map_err(|e| ToolError::Transient(format!("{ns}/{key} is not JSON: {e}")))
     }
 
     fn note(&mut self, edit: Value) {
@@ -230,7 +318,7 @@ impl<'s> Docs<'s> {
 
     pub fn create(&mut self, ns: &str, key: &str, doc: Value) -> Result<(), ToolError> {
         let i = self.index(ns, key)?;
-        self.loaded[i].doc = Some(doc);
+        self.loaded[i].body = Body::Tree(doc);
         self.loaded[i].dirty = true;
         self.note(json!({ "op": "create", "ns": ns, "key": key }));
         Ok(())
@@ -238,7 +326,7 @@ impl<'s> Docs<'s> {
 
     pub fn remove(&mut self, ns: &str, key: &str) -> Result<(), ToolError> {
         let i = self.index(ns, key)?;
-        if self.loaded[i].doc.take().is_some() {
+        if !matches!(std::mem::replace(&mut self.loaded[i].body, Body::Absent), Body::Absent) {
             self.loaded[i].dirty = true;
         }
         Ok(())
@@ -249,7 +337,7 @@ impl<'s> Docs<'s> {
     fn parent(&mut self, ns: &str, key: &str, path: &[&str]) -> Result<Option<Parent<'_>>, ToolError> {
         let i = self.index(ns, key)?;
         let Some((_, parents)) = path.split_last() else { return Ok(None) };
-        let mut target = self.loaded[i].doc.as_mut();
+        let mut target = self.tree(i)?;
         for p in parents {
             target = target.and_then(|t| t.get_mut(*p));
         }
@@ -258,6 +346,16 @@ impl<'s> Docs<'s> {
 
     /// Sets (`Some`) or removes (`None`) the field at `path`; its parent must exist.
     pub fn set(&mut self, ns: &str, key: &str, path: &[&str], value: Option<Value>) -> Result<(), ToolError> {
+        if let Some(value) = &value {
+            match self.replace_in_text(ns, key, path, value)? {
+                InText::Replaced(before) => {
+                    self.note_set(ns, key, path, Some(before), Some(value.clone()));
+                    return Ok(());
+                }
+                InText::Unchanged => return Ok(()),
+                InText::NotHere => {}
+            }
+        }
         let record = self.record;
         let Some((i, parent)) = self.parent(ns, key, path)? else {
             if record {
@@ -280,6 +378,31 @@ impl<'s> Docs<'s> {
             None => parent.remove(field),
         };
         self.loaded[i].dirty = true;
+        self.note_set(ns, key, path, before, value);
+        Ok(())
+    }
+
+    /// [`Docs::set`] of a field that a document held as text has: its value's text is replaced
+    /// (a canonical text stays canonical: `value` prints canonically).
+    fn replace_in_text(&mut self, ns: &str, key: &str, path: &[&str], value: &Value) -> Result<InText, ToolError> {
+        let i = self.index(ns, key)?;
+        let (false, Some(Span::At(range))) = (path.is_empty(), self.span(i, path)) else { return Ok(InText::NotHere) };
+        let before = self.parse_part(i, range.clone())?;
+        if same(&before, value) {
+            return Ok(InText::Unchanged);
+        }
+        let loaded = &mut self.loaded[i];
+        let Body::Text(text) = &mut loaded.body else { unreachable!("span found it in the text") };
+        text.replace_range(range, &to_json(value));
+        loaded.last_span = None;
+        loaded.dirty = true;
+        Ok(InText::Replaced(before))
+    }
+
+    fn note_set(&mut self, ns: &str, key: &str, path: &[&str], before: Option<Value>, after: Option<Value>) {
+        if !self.record {
+            return;
+        }
         let mut edit = Map::new();
         edit.insert("op".into(), json!("set"));
         edit.insert("ns".into(), json!(ns));
@@ -288,11 +411,10 @@ impl<'s> Docs<'s> {
         if let Some(before) = before {
             edit.insert("before".into(), before);
         }
-        if let Some(after) = value {
+        if let Some(after) = after {
             edit.insert("after".into(), after);
         }
         self.note(Value::Object(edit));
-        Ok(())
     }
 
     /// Appends `value` to the list at `path`.
@@ -322,102 +444,15 @@ impl<'s> Docs<'s> {
     /// Writes every changed document; returns the edits noted.
     pub fn flush(self) -> Result<Vec<Value>, ToolError> {
         for loaded in self.loaded.iter().filter(|l| l.dirty) {
-            match &loaded.doc {
-                Some(doc) => self.store.put_doc(&loaded.ns, &loaded.key, doc)?,
-                None => {
+            match &loaded.body {
+                Body::Text(text) => self.store.put(&loaded.ns, &loaded.key, text)?,
+                Body::Tree(doc) => self.store.put_doc(&loaded.ns, &loaded.key, doc)?,
+                Body::Absent => {
                     self.store.delete(&loaded.ns, &loaded.key)?;
                 }
             }
         }
         Ok(self.edits)
-    }
-}
-
-/// The members of the JSON object `text` (valid JSON, as the store keeps it): each key and
-/// the text of its value, in order. None when `text` is not an object or a key has escapes.
-pub fn members(text: &str) -> Option<Vec<(&str, &str)>> {
-    let bytes = text.as_bytes();
-    let skip_space = |mut i: usize| {
-        while bytes.get(i).is_some_and(u8::is_ascii_whitespace) {
-            i += 1;
-        }
-        i
-    };
-    // The index just past the string that starts at `i` (its opening quote).
-    let string_end = |mut i: usize| {
-        i += 1;
-        loop {
-            match bytes.get(i)? {
-                b'\\' => i += 2,
-                b'"' => return Some(i + 1),
-                _ => i += 1,
-            }
-        }
-    };
-    // The index just past the value that starts at `i`.
-    let value_end = |i: usize| -> Option<usize> {
-        match bytes.get(i)? {
-            b'"' => string_end(i),
-            b'{' | b'[' => {
-                let (mut depth, mut j) = (0usize, i);
-                loop {
-                    match bytes.get(j)? {
-                        b'"' => {
-                            j = string_end(j)?;
-                            continue;
-                        }
-                        b'{' | b'[' => depth += 1,
-                        b'}' | b']' => {
-                            depth -= 1;
-                            if depth == 0 {
-                                return Some(j + 1);
-                            }
-                        }
-                        _ => {}
-                    }
-                    j += 1;
-                }
-            }
-            _ => {
-                let mut j = i;
-                while bytes.get(j).is_some_and(|b| !matches!(b, b',' | b'}' | b']') && !b.is_ascii_whitespace()) {
-                    j += 1;
-                }
-                Some(j)
-            }
-        }
-    };
-    let mut i = skip_space(0);
-    if bytes.get(i) != Some(&b'{') {
-        return None;
-    }
-    let mut found = Vec::new();
-    i = skip_space(i + 1);
-    if bytes.get(i) == Some(&b'}') {
-        return Some(found);
-    }
-    loop {
-        if bytes.get(i) != Some(&b'"') {
-            return None;
-        }
-        let key_end = string_end(i)?;
-        let key = &text[i + 1..key_end - 1];
-        if key.contains('\\') {
-            return None;
-        }
-        i = skip_space(key_end);
-        if bytes.get(i) != Some(&b':') {
-            return None;
-        }
-        let start = skip_space(i + 1);
-        let end = value_end(start)?;
-        found.push((key, &text[start..end]));
-        i = skip_space(end);
-        match bytes.get(i)? {
-            b',' => i = skip_space(i + 1),
-            b'}' => return Some(found),
-            _ => return None,
-        }
     }
 }
 
@@ -730,4 +765,92 @@ pub fn python_float(x: f64) -> String {
         format!("{mantissa}e{}{:02}", if exponent < 0 { '-' } else { '+' }, exponent.abs())
     };
     format!("{sign}{text}")
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::MapStore;
+    use crate::json_text::tests::{KEYS, doc_and_path, json_value, lookup};
+
+    /// The value a `set` writes: often one equal to what is there (also as a float), which a
+    /// `set` must leave alone and not note.
+    fn new_value(doc: &Value, path: &[&str], pick: u8, other: Value) -> Value {
+        match (lookup(doc, path), pick % 3) {
+            (Some(Value::Number(n)), 0) => n.as_f64().map_or(other, float),
+            (Some(same), 0 | 1) => same.clone(),
+            _ => other,
+        }
+    }
+
+    /// `set` of `path` to `value` on `text`, with the document held as text or (after a
+    /// `load`) as a tree: what is stored after the flush, and the edits noted.
+    fn set_and_flush(text: &str, path: &[&str], value: &Value, as_tree: bool) -> (Option<String>, Vec<Value>) {
+        let mut store = MapStore::default();
+        store.put("ns", "doc", text).unwrap();
+        let mut docs = Docs::new(&mut store, true);
+        if as_tree {
+            docs.load("ns", "doc").unwrap();
+        }
+        let edits = match docs.set("ns", "doc", path, Some(value.clone())) {
+            Ok(()) => docs.flush().unwrap(),
+            Err(error) => vec![json!(format!("{error:?}"))],
+        };
+        (store.get("ns", "doc").unwrap(), edits)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
+
+        /// Setting a field in a document held as text stores the same document, and notes the
+        /// same edit, as setting it in the parsed tree; a canonical text stays canonical.
+        #[test]
+        fn a_field_set_in_the_text_gives_what_the_tree_gives((doc, path) in doc_and_path(), pick: u8, other in json_value()) {
+            let value = new_value(&doc, &path, pick, other);
+            let text = to_json(&doc);
+            let (in_text, edits_in_text) = set_and_flush(&text, &path, &value, false);
+            let (in_tree, edits_in_tree) = set_and_flush(&text, &path, &value, true);
+            let parsed = |t: &Option<String>| t.as_deref().map(|t| serde_json::from_str::<Value>(t).unwrap());
+            prop_assert_eq!(parsed(&in_text), parsed(&in_tree));
+            prop_assert_eq!(edits_in_text, edits_in_tree);
+            let stored = in_text.unwrap();
+            prop_assert_eq!(to_json(&serde_json::from_str(&stored).unwrap()), stored);
+        }
+    }
+
+    proptest! {
+        /// One pass over a document's text reads the fields that `at` reads one by one.
+        #[test]
+        fn fields_read_in_one_pass_are_what_a_parse_finds(doc in json_value(), names in prop::collection::vec(prop::sample::select(&KEYS[..]), 0..4)) {
+            let mut store = MapStore::default();
+            store.put("ns", "doc", &to_json(&doc)).unwrap();
+            let mut docs = Docs::new(&mut store, false);
+            let found = docs.fields("ns", "doc", &names).unwrap();
+            let parsed: Vec<Option<Value>> = names.iter().map(|name| lookup(&doc, &[name]).cloned()).collect();
+            prop_assert_eq!(found, parsed);
+        }
+    }
+
+    #[test]
+    fn a_seat_count_is_read_and_moved_without_the_other_dates() {
+        let flight = r#"{"dates":{"2024-05-01":{"available_seats":{"economy":3},"status":"available"},"2024-05-02":{"available_seats":{"economy":9},"status":"landed"}},"origin":"JFK"}"#;
+        let mut store = MapStore::default();
+        store.put("flights", "HAT001", flight).unwrap();
+        let mut docs = Docs::new(&mut store, true);
+        let path = ["dates", "2024-05-02", "available_seats", "economy"];
+        assert_eq!(docs.at("flights", "HAT001", &path).unwrap(), Some(json!(9)));
+        assert_eq!(docs.at("flights", "HAT001", &["origin"]).unwrap(), Some(json!("JFK")));
+        assert_eq!(docs.at("flights", "HAT001", &["dates", "2024-05-03"]).unwrap(), None);
+        assert_eq!(docs.at("flights", "HAT001", &["origin", "x"]).unwrap(), None);
+        docs.set("flights", "HAT001", &path, Some(json!(7))).unwrap();
+        assert!(matches!(docs.loaded[0].body, Body::Text(_)), "the flight was parsed whole");
+        let edits = docs.flush().unwrap();
+        assert_eq!(store.get("flights", "HAT001").unwrap().unwrap(), flight.replace(":9}", ":7}"));
+        assert_eq!(
+            edits,
+            vec![json!({"op": "set", "ns": "flights", "key": "HAT001", "path": path, "before": 9, "after": 7})]
+        );
+    }
 }

@@ -27,9 +27,10 @@ use std::collections::BTreeMap;
 
 use serde_json::{Map, Value, json};
 
-use crate::common::{Context, Plugin, Store, StoreExt, ToolError, ToolSpec, add_days, record_id};
+use crate::common::{Context, FieldIs, Plugin, Store, StoreExt, ToolError, ToolSpec, add_days, record_id};
+use crate::json_text::members;
 use crate::taubench::{
-    self, Docs, array_arg, float, int_arg, int_of, item_str, members, object, python_float, rejected, str_arg, string,
+    self, Docs, array_arg, float, int_arg, int_of, item_str, object, python_float, rejected, str_arg, string,
     undo_schema,
 };
 
@@ -300,17 +301,25 @@ fn user_doc(docs: &mut Docs<'_>, user_id: &str) -> Result<Value, ToolError> {
     docs.load("users", user_id)?.ok_or_else(|| rejected(format!("User {user_id} not found")))
 }
 
+/// Refuses an unknown user without reading the user's document.
+fn require_user(docs: &mut Docs<'_>, user_id: &str) -> Result<(), ToolError> {
+    match docs.exists("users", user_id)? {
+        true => Ok(()),
+        false => Err(rejected(format!("User {user_id} not found"))),
+    }
+}
+
 fn reservation_doc(docs: &mut Docs<'_>, id: &str) -> Result<Value, ToolError> {
     docs.load("reservations", id)?.ok_or_else(|| rejected(format!("Reservation {id} not found")))
 }
 
-fn flight_doc(docs: &mut Docs<'_>, number: &str) -> Result<Value, ToolError> {
-    docs.load("flights", number)?.ok_or_else(|| rejected(format!("Flight {number} not found")))
-}
-
-/// A flight's record for one date (tau2's `_get_flight_instance`).
-fn instance<'a>(flight: &'a Value, number: &str, date: &str) -> Result<&'a Value, ToolError> {
-    flight["dates"].get(date).ok_or_else(|| rejected(format!("Flight {number} not found on date {date}")))
+/// A flight's record for one date (tau2's `_get_flight_instance`), read without the others.
+fn flight_day(docs: &mut Docs<'_>, number: &str, date: &str) -> Result<Value, ToolError> {
+    if !docs.exists("flights", number)? {
+        return Err(rejected(format!("Flight {number} not found")));
+    }
+    docs.at("flights", number, &["dates", date])?
+        .ok_or_else(|| rejected(format!("Flight {number} not found on date {date}")))
 }
 
 /// A cabin's entry of `available_seats` or `prices` (Python's KeyError names the key).
@@ -328,21 +337,22 @@ fn bookable_segment(
     cabin: &str,
     count: i64,
 ) -> Result<(Value, i64), ToolError> {
-    let flight = flight_doc(docs, number)?;
-    let day = instance(&flight, number, date)?;
+    let day = flight_day(docs, number, date)?;
     if day["status"] != "available" {
         return Err(rejected(format!("Flight {number} not available on date {date}")));
     }
-    if cabin_int(day, "available_seats", cabin)? < count {
+    if cabin_int(&day, "available_seats", cabin)? < count {
         return Err(rejected(format!("Not enough seats on flight {number}")));
     }
-    let price = cabin_int(day, "prices", cabin)?;
+    let price = cabin_int(&day, "prices", cabin)?;
+    let mut ends =
+        docs.fields("flights", number, &["origin", "destination"])?.into_iter().map(Option::unwrap_or_default);
     let segment = json!({
         "flight_number": number,
         "date": date,
         "price": price,
-        "origin": flight["origin"],
-        "destination": flight["destination"],
+        "origin": ends.next(),
+        "destination": ends.next(),
     });
     Ok((segment, price))
 }
@@ -369,9 +379,9 @@ fn seats_path<'a>(date: &'a str, cabin: &'a str) -> [&'a str; 4] {
 
 /// Adds `delta` to the seats left in `cabin` on a flight date, if that date still sells seats.
 fn move_seats(docs: &mut Docs<'_>, number: &str, date: &str, cabin: &str, delta: i64) -> Result<(), ToolError> {
-    let Some(flight) = docs.load("flights", number)? else { return Ok(()) };
-    let Some(seats) = flight["dates"][date]["available_seats"].get(cabin).and_then(int_of) else { return Ok(()) };
-    docs.set("flights", number, &seats_path(date, cabin), Some(json!(seats + delta)))
+    let path = seats_path(date, cabin);
+    let Some(seats) = docs.at("flights", number, &path)?.as_ref().and_then(int_of) else { return Ok(()) };
+    docs.set("flights", number, &path, Some(json!(seats + delta)))
 }
 
 /// A payment method's `amount` (gift cards and certificates), as tau2's float.
@@ -519,15 +529,16 @@ fn payment_for_update(
     payment_id: &str,
     total_price: i64,
 ) -> Result<Option<Value>, ToolError> {
-    let user = user_doc(docs, user_id)?;
-    let method = user["payment_methods"].get(payment_id).ok_or_else(|| rejected("Payment method not found"))?;
+    require_user(docs, user_id)?;
+    let method = docs.at("users", user_id, &["payment_methods", payment_id])?;
+    let method = method.ok_or_else(|| rejected("Payment method not found"))?;
     match method["source"].as_str() {
         Some("certificate") => return Err(rejected("Certificate cannot be used to update reservation")),
         Some("gift_card") => {
-            if amount_of(method) < total_price as f64 {
+            if amount_of(&method) < total_price as f64 {
                 return Err(rejected("Gift card balance is not enough"));
             }
-            let left = amount_of(method) - total_price as f64;
+            let left = amount_of(&method) - total_price as f64;
             docs.set("users", user_id, &["payment_methods", payment_id, "amount"], Some(float(left)))?;
         }
         _ => {}
@@ -542,7 +553,7 @@ fn update_reservation_flights(docs: &mut Docs<'_>, args: &Value, _: &Context) ->
     let payment_id = str_arg(args, "payment_id")?;
     let reservation = reservation_doc(docs, id)?;
     let user_id = reservation["user_id"].as_str().unwrap_or_default().to_string();
-    user_doc(docs, &user_id)?;
+    require_user(docs, &user_id)?;
 
     let count = passenger_count(&reservation);
     let old_cabin = reservation["cabin"].as_str().unwrap_or_default();
@@ -602,7 +613,7 @@ fn update_reservation_baggages(docs: &mut Docs<'_>, args: &Value, _: &Context) -
     let payment_id = str_arg(args, "payment_id")?;
     let reservation = reservation_doc(docs, id)?;
     let user_id = reservation["user_id"].as_str().unwrap_or_default().to_string();
-    user_doc(docs, &user_id)?;
+    require_user(docs, &user_id)?;
     let paid_for = int_of(&reservation["nonfree_baggages"]).unwrap_or(0);
     let total_price = 50 * (nonfree_baggages - paid_for).max(0);
     if let Some(payment) = payment_for_update(docs, &user_id, payment_id, total_price)? {
@@ -646,67 +657,7 @@ fn get_reservation_details(store: &mut dyn Store, args: &Value) -> Result<Value,
 
 fn get_flight_status(store: &mut dyn Store, args: &Value) -> Result<Value, ToolError> {
     let (number, date) = (str_arg(args, "flight_number")?, str_arg(args, "date")?);
-    let flight = store.doc("flights", number)?.ok_or_else(|| rejected(format!("Flight {number} not found")))?;
-    Ok(instance(&flight, number, date)?["status"].clone())
-}
-
-/// A pre-filter on flight documents' texts: whether one may have `field` equal to `value`,
-/// decided without parsing it. Built once per search, so that scanning hundreds of flights
-/// allocates nothing per flight.
-///
-/// The store keeps canonical JSON (sorted keys, no white space), where a top-level field of a
-/// flight sits near the end, after `dates`: the last `"field":` is the top-level one when only
-/// the object's closing brace follows it (no `{` or `[`, one `}`; braces inside strings only
-/// make this check fail). Otherwise every place the text names the field is looked at, and a
-/// text that never names it is parsed anyway.
-struct FieldIs {
-    /// `"field":`
-    name: String,
-    /// `value` as a JSON string.
-    wanted: String,
-}
-
-impl FieldIs {
-    fn new(field: &str, value: &str) -> FieldIs {
-        FieldIs { name: format!("\"{field}\":"), wanted: serde_json::to_string(value).unwrap_or_default() }
-    }
-
-    fn may_hold(&self, text: &str) -> bool {
-        let (text, name, wanted) = (text.as_bytes(), self.name.as_bytes(), self.wanted.as_bytes());
-        if let Some(at) = last_index_of(text, name) {
-            let tail = &text[at..];
-            let only_closing_brace_follows =
-                !tail.iter().any(|b| matches!(b, b'{' | b'[')) && tail.iter().filter(|&&b| b == b'}').count() == 1;
-            if only_closing_brace_follows {
-                return tail[name.len()..].starts_with(wanted);
-            }
-        }
-        let mut named = false;
-        let mut from = 0;
-        while let Some(at) = index_of(&text[from..], name).map(|i| from + i) {
-            if text[at + name.len()..].starts_with(wanted) {
-                return true;
-            }
-            named = true;
-            from = at + 1;
-        }
-        !named
-    }
-}
-
-/// Where `needle` (not empty) starts in `haystack` first.
-fn index_of(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    (0..=haystack.len().checked_sub(needle.len())?).find(|&i| starts_at(haystack, needle, i))
-}
-
-/// Where `needle` (not empty) starts in `haystack` last.
-fn last_index_of(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    (0..=haystack.len().checked_sub(needle.len())?).rev().find(|&i| starts_at(haystack, needle, i))
-}
-
-/// Whether `needle` (not empty, fitting) stands at `i`; the first byte decides most places.
-fn starts_at(haystack: &[u8], needle: &[u8], i: usize) -> bool {
-    haystack[i] == needle[0] && haystack[i..i + needle.len()] == *needle
+    Ok(flight_day(&mut Docs::new(store, false), number, date)?["status"].clone())
 }
 
 /// What a search needs of a flight: its fields, and its records for the dates searched.
@@ -773,18 +724,20 @@ impl Flight {
     }
 }
 
-/// The flights whose text passes `keep`, read for `dates`, in flight-number order (tau2's).
-fn scan_flights(store: &mut dyn Store, dates: &[&str], keep: impl Fn(&str) -> bool) -> Result<Vec<Flight>, ToolError> {
-    let mut found = Vec::new();
-    for number in store.list("flights", "")? {
-        let Some(text) = store.get("flights", &number)? else { continue };
-        if keep(&text) {
-            let flight = Flight::read(&text, dates)
-                .map_err(|e| ToolError::Transient(format!("flights/{number} is not a flight: {e}")))?;
-            found.push(flight);
-        }
-    }
-    Ok(found)
+/// The flights whose `field` is `value`, read for `dates`, in flight-number order (tau2's).
+/// The store filters: only the matching flights cross into the plugin.
+fn flights_where(store: &mut dyn Store, field: &str, value: &str, dates: &[&str]) -> Result<Vec<Flight>, ToolError> {
+    read_flights(store.find("flights", "", &[FieldIs::string(&[field], value)])?, dates)
+}
+
+fn read_flights(found: Vec<(String, String)>, dates: &[&str]) -> Result<Vec<Flight>, ToolError> {
+    found
+        .iter()
+        .map(|(number, text)| {
+            Flight::read(text, dates)
+                .map_err(|e| ToolError::Transient(format!("flights/{number} is not a flight: {e}")))
+        })
+        .collect()
 }
 
 /// tau2's `_search_direct_flight` over scanned flights.
@@ -820,8 +773,8 @@ fn direct_flight(flight: &Flight, day: &Value, date: Option<&str>) -> Value {
 
 fn search_direct_flight(store: &mut dyn Store, args: &Value) -> Result<Value, ToolError> {
     let (origin, destination, date) = (str_arg(args, "origin")?, str_arg(args, "destination")?, str_arg(args, "date")?);
-    let (from, to) = (FieldIs::new("origin", origin), FieldIs::new("destination", destination));
-    let flights = scan_flights(store, &[date], |t| from.may_hold(t) && to.may_hold(t))?;
+    let route = [FieldIs::string(&["origin"], origin), FieldIs::string(&["destination"], destination)];
+    let flights = read_flights(store.find("flights", "", &route)?, &[date])?;
     let found = direct(&flights, date, Some(origin), Some(destination), None);
     Ok(found.into_iter().map(|(flight, day)| direct_flight(flight, day, None)).collect())
 }
@@ -832,14 +785,14 @@ fn search_onestop_flight(store: &mut dyn Store, args: &Value) -> Result<Value, T
     // on the date or (after an overnight first leg) the next day.
     let next_day = add_days(date, 1);
     let dates: Vec<&str> = [Some(date), next_day.as_deref()].into_iter().flatten().collect();
-    let (from, to) = (FieldIs::new("origin", origin), FieldIs::new("destination", destination));
-    let flights = scan_flights(store, &dates, |t| from.may_hold(t) || to.may_hold(t))?;
+    let (firsts, seconds) =
+        (flights_where(store, "origin", origin, &dates)?, flights_where(store, "destination", destination, &dates)?);
     let mut from_stop: BTreeMap<&str, Vec<&Flight>> = BTreeMap::new();
-    for flight in flights.iter().filter(|f| f.destination == destination) {
+    for flight in &seconds {
         from_stop.entry(flight.origin.as_str()).or_default().push(flight);
     }
     let mut pairs = Vec::new();
-    for (first, first_day) in direct(&flights, date, Some(origin), None, None) {
+    for (first, first_day) in direct(&firsts, date, Some(origin), None, None) {
         let second_date = if first.arrival.contains("+1") { next_day.as_deref() } else { Some(date) };
         let (Some(second_date), Some(seconds)) = (second_date, from_stop.get(first.destination.as_str())) else {
             continue;
@@ -850,58 +803,4 @@ fn search_onestop_flight(store: &mut dyn Store, args: &Value) -> Result<Value, T
         }
     }
     Ok(Value::Array(pairs))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A flight as the store keeps it: canonical text, `dates` first, the top-level fields after.
-    fn flight(origin: &str, destination: &str) -> String {
-        crate::to_json(&json!({
-            "flight_number": "HAT001",
-            "origin": origin,
-            "destination": destination,
-            "scheduled_departure_time_est": "06:00:00",
-            "scheduled_arrival_time_est": "14:30:00",
-            "dates": {
-                "2024-05-16": { "status": "available", "available_seats": { "economy": 9 }, "prices": { "economy": 238 } },
-                "2024-05-17": { "status": "landed", "origin": "JFK", "note": "{\"destination\":\"JFK\"}" }
-            }
-        }))
-    }
-
-    /// What the pre-filter must never get wrong: a document whose top-level field holds the value.
-    /// (Texts are canonical, as the store keeps every document.)
-    fn holds(text: &str, field: &str, value: &str) -> bool {
-        serde_json::from_str::<Value>(text).is_ok_and(|doc| doc[field] == value)
-    }
-
-    #[test]
-    fn the_flight_prefilter_keeps_every_match_and_drops_canonical_non_matches() {
-        let texts = [
-            flight("SFO", "JFK"),
-            flight("JFK", "SFO"),
-            flight("SF", "JF"),
-            flight("SFO\"", "J\\FK"),
-            r#"{"origin":"SFO","dates":{"x":{"origin":"JFK"}}}"#.to_string(),
-            r#"{"dates":{}}"#.to_string(),
-            r#"{"destination":"JFK","note":"}{["}"#.to_string(),
-        ];
-        for text in &texts {
-            for (field, value) in [("origin", "SFO"), ("origin", "JFK"), ("destination", "JFK"), ("destination", "SFO")]
-            {
-                let filter = FieldIs::new(field, value);
-                if holds(text, field, value) {
-                    assert!(filter.may_hold(text), "{field}={value} dropped from {text}");
-                }
-            }
-        }
-        // On canonical flights the filter decides without parsing: a different value is dropped.
-        for (field, value, text) in
-            [("origin", "JFK", &texts[0]), ("destination", "SFO", &texts[0]), ("origin", "SFO", &texts[2])]
-        {
-            assert!(!FieldIs::new(field, value).may_hold(text), "{field}={value} kept in {text}");
-        }
-    }
 }

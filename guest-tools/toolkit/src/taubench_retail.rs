@@ -23,8 +23,9 @@
 
 use serde_json::{Value, json};
 
-use crate::common::{Context, Plugin, Store, StoreExt, ToolError, ToolSpec};
-use crate::taubench::{self, Docs, array_arg, float, members, object, rejected, str_arg, string, undo_schema};
+use crate::common::{Context, FieldIs, Plugin, Store, StoreExt, ToolError, ToolSpec};
+use crate::json_text::members;
+use crate::taubench::{self, Docs, array_arg, float, object, rejected, str_arg, string, undo_schema};
 
 pub struct TaubenchRetail;
 
@@ -547,11 +548,17 @@ fn find_user_id_by_name_zip(store: &mut dyn Store, args: &Value) -> Result<Value
     let last = str_arg(args, "last_name")?.to_lowercase();
     let zip = str_arg(args, "zip")?;
     let lower = |v: &Value| v.as_str().map(str::to_lowercase);
-    find_user(store, may_hold(zip), |user| {
-        lower(&user["name"]["first_name"]).as_deref() == Some(first.as_str())
+    // The zip is compared exactly, so the store finds the users of that zip; names in any case.
+    for (user_id, text) in store.find("users", "", &[FieldIs::string(&["address", "zip"], zip)])? {
+        let user: Value = serde_json::from_str(&text)
+            .map_err(|e| ToolError::Transient(format!("users/{user_id} is not a user: {e}")))?;
+        if lower(&user["name"]["first_name"]).as_deref() == Some(first.as_str())
             && lower(&user["name"]["last_name"]).as_deref() == Some(last.as_str())
-            && user["address"]["zip"] == zip
-    })
+        {
+            return Ok(json!(user_id));
+        }
+    }
+    Err(rejected("User not found"))
 }
 
 /// tau2's `json.dumps({name: product_id}, sort_keys=True)`, reading only the two fields of

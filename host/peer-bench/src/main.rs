@@ -3,11 +3,10 @@
 //! in-memory map: what a Rust shop would write today without sagabox. Prints sagas per
 //! second, one at a time and 64 in flight, to set beside `sagabox bench --only sagas`.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use sagabox_toolkit::{Context, NativePlugin, Store, ToolError, native_plugin};
+use sagabox_toolkit::{Context, MapStore, NativePlugin, native_plugin};
 use serde_json::{Value, json};
 use steno::{
     ActionContext, ActionError, ActionFunc, ActionRegistry, DagBuilder, InMemorySecStore, Node, SagaDag, SagaId,
@@ -15,7 +14,7 @@ use steno::{
 };
 
 /// Documents by (namespace, key), as JSON text (the tools exchange text, as in the sandbox).
-type Docs = HashMap<(String, String), String>;
+type Docs = MapStore;
 
 #[derive(Debug)]
 struct Trip {
@@ -29,33 +28,12 @@ impl SagaType for Ct1 {
     type ExecContextType = Arc<Trip>;
 }
 
-struct MapStore<'a>(&'a mut Docs);
-
-impl Store for MapStore<'_> {
-    fn get(&mut self, ns: &str, key: &str) -> Result<Option<String>, ToolError> {
-        Ok(self.0.get(&(ns.to_string(), key.to_string())).cloned())
-    }
-    fn put(&mut self, ns: &str, key: &str, doc: &str) -> Result<(), ToolError> {
-        self.0.insert((ns.to_string(), key.to_string()), doc.to_string());
-        Ok(())
-    }
-    fn delete(&mut self, ns: &str, key: &str) -> Result<bool, ToolError> {
-        Ok(self.0.remove(&(ns.to_string(), key.to_string())).is_some())
-    }
-    fn list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, ToolError> {
-        let mut keys: Vec<String> =
-            self.0.keys().filter(|(n, k)| n == ns && k.starts_with(prefix)).map(|(_, k)| k.clone()).collect();
-        keys.sort();
-        Ok(keys)
-    }
-}
-
 /// Calls a tool natively; an error becomes a steno action error.
 fn call(trip: &Trip, plugin: &str, tool: &str, args: &Value, key: &str) -> Result<Value, String> {
     let NativePlugin { call, .. } = native_plugin(plugin).ok_or("no such plugin")?;
     let ctx = Context { saga_id: "peer".into(), step_id: tool.into(), attempt: 1, idempotency_key: key.into() };
     let mut docs = trip.docs.lock().map_err(|e| e.to_string())?;
-    call(&mut MapStore(&mut docs), tool, args, &ctx).map_err(|e| format!("{e:?}"))
+    call(&mut *docs, tool, args, &ctx).map_err(|e| format!("{e:?}"))
 }
 
 /// A boxed action or undo future, as steno's `ActionFunc` takes them.
@@ -125,10 +103,10 @@ async fn main() -> anyhow::Result<()> {
     let sagas_dir = std::env::args().nth(1).unwrap_or_else(|| "sagas".into());
     let fixture = load(&format!("{sagas_dir}/ct1-payment-failure.fixture.json"))?;
     let input = load(&format!("{sagas_dir}/ct1-payment-failure.input.json"))?;
-    let mut docs = Docs::new();
+    let mut docs = Docs::default();
     for (ns, entries) in fixture.as_object().into_iter().flatten() {
         for (key, doc) in entries.as_object().into_iter().flatten() {
-            docs.insert((ns.clone(), key.clone()), doc.to_string());
+            docs.0.insert((ns.clone(), key.clone()), doc.to_string());
         }
     }
     let log = slog::Logger::root(slog::Discard, slog::o!());
@@ -150,7 +128,7 @@ async fn main() -> anyhow::Result<()> {
                     let result = done.await;
                     anyhow::ensure!(result.kind.is_err(), "CT1 must fail at the payment");
                     let restored = trip.docs.lock().map_err(|e| anyhow::anyhow!("{e}"))?;
-                    anyhow::ensure!(restored.len() == docs.len(), "the rollback left documents behind");
+                    anyhow::ensure!(restored.0.len() == docs.0.len(), "the rollback left documents behind");
                 }
                 Ok::<_, anyhow::Error>(())
             }));

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use sagabox_toolkit::StoreErrorKind;
 
 use super::policy::StoreGrants;
-use crate::store::{Txn, TxnError};
+use crate::store::{FieldIs, Txn, TxnError};
 
 /// Why a store operation did not happen.
 #[derive(Debug)]
@@ -20,7 +20,7 @@ pub(crate) enum Refusal {
 impl From<TxnError> for Refusal {
     fn from(e: TxnError) -> Refusal {
         let kind = match e {
-            TxnError::InvalidDocument { .. } => StoreErrorKind::InvalidDocument,
+            TxnError::InvalidDocument { .. } | TxnError::InvalidCondition { .. } => StoreErrorKind::InvalidDocument,
             // A cap is a quota on what the host holds for the call; the message names it.
             TxnError::QuotaExceeded(_) | TxnError::CapExceeded { .. } => StoreErrorKind::QuotaExceeded,
         };
@@ -72,5 +72,10 @@ impl Granted<'_> {
     pub fn list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, Refusal> {
         self.readable(ns)?;
         Ok(self.txn.try_list(ns, prefix)?)
+    }
+
+    pub fn find(&mut self, ns: &str, prefix: &str, conditions: &[FieldIs]) -> Result<Vec<(String, Arc<str>)>, Refusal> {
+        self.readable(ns)?;
+        Ok(self.txn.try_find(ns, prefix, conditions)?)
     }
 }

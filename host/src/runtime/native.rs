@@ -2,14 +2,14 @@
 //! benchmarks measure the sandbox against. Same arguments, same store transaction, same
 //! namespace grants; no instance, no fuel, no deadline.
 
-use sagabox_toolkit::{Context, Store, ToolError};
+use sagabox_toolkit::{Context, FieldIs, Store, ToolError};
 use serde_json::Value;
 
 use super::access::{Granted, Refusal};
 use super::error::CallError;
 use super::policy::Limits;
 use super::{CallContext, Plugin};
-use crate::store::Txn;
+use crate::store::{self, Txn};
 
 /// The toolkit's store trait over a call's transaction, with the plugin's grants.
 struct NativeStore<'a> {
@@ -50,6 +50,14 @@ impl Store for NativeStore<'_> {
     fn list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, ToolError> {
         let listed = self.granted.list(ns, prefix);
         listed.map_err(|r| self.refused(r))
+    }
+
+    fn find(&mut self, ns: &str, prefix: &str, conditions: &[FieldIs]) -> Result<Vec<(String, String)>, ToolError> {
+        let conditions: Vec<store::FieldIs> =
+            conditions.iter().map(|c| store::FieldIs { path: c.path.clone(), value: c.value.clone() }).collect();
+        let found = self.granted.find(ns, prefix, &conditions);
+        let found = found.map_err(|r| self.refused(r))?;
+        Ok(found.into_iter().map(|(key, text)| (key, text.to_string())).collect())
     }
 }
 

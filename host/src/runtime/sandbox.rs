@@ -17,7 +17,7 @@ use super::access::{Granted, Refusal};
 use super::bindings::sagabox::plugin::log::Level;
 use super::bindings::sagabox::plugin::store::StoreError;
 use super::policy::{Limits, Policy, StoreGrants};
-use crate::store::Txn;
+use crate::store::{FieldIs, Txn};
 
 /// The WASI version this host implements (wasmtime-wasi 48); guests built against any
 /// 0.2.x version link to it.
@@ -483,6 +483,14 @@ fn deny(linker: &mut Linker<CallState>, interface: &str, func: &str, what: &'sta
     })
 }
 
+/// The WIT's `field-is`, as it crosses from the guest.
+#[derive(wasmtime::component::ComponentType, wasmtime::component::Lift)]
+#[component(record)]
+struct WitFieldIs {
+    path: Vec<String>,
+    value: String,
+}
+
 type StoreResult<T> = wasmtime::Result<(Result<T, StoreError>,)>;
 
 fn add_store(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
@@ -517,6 +525,16 @@ fn add_store(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
         let listed = state.granted().list(&ns, &prefix);
         state.answer(listed)
     })?;
+    store.func_wrap(
+        "find",
+        |mut cx, (ns, prefix, conditions): (String, String, Vec<WitFieldIs>)| -> StoreResult<Vec<(String, Arc<str>)>> {
+            let conditions: Vec<FieldIs> =
+                conditions.into_iter().map(|c| FieldIs { path: c.path, value: c.value }).collect();
+            let state = cx.data_mut();
+            let found = state.granted().find(&ns, &prefix, &conditions);
+            state.answer(found)
+        },
+    )?;
     Ok(())
 }
 

@@ -20,7 +20,7 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 pub use digest::{Diff, DiffEntry, Digests, diff};
-pub use txn::{Conflict, StoreCaps, Txn, TxnError, WriteQuota};
+pub use txn::{Conflict, FieldIs, StoreCaps, Txn, TxnError, WriteQuota};
 
 /// One stored document.
 #[derive(Clone, Debug)]

@@ -46,6 +46,8 @@ impl Default for StoreCaps {
 pub enum TxnError {
     #[error("document {namespace}/{key} is not valid JSON: {reason}")]
     InvalidDocument { namespace: String, key: String, reason: String },
+    #[error("a find in {namespace} has a condition on '{path}' whose value is not valid JSON: {reason}")]
+    InvalidCondition { namespace: String, path: String, reason: String },
     #[error("the call exceeded its write quota ({0})")]
     QuotaExceeded(String),
     /// A [`StoreCaps`] cap: `cap` names it, `limit` says its value.
@@ -59,6 +61,30 @@ pub enum TxnError {
 pub struct Conflict {
     pub namespace: String,
     pub key: String,
+}
+
+/// A condition of [`Txn::try_find`]: the value at `path` (field names from the top) is
+/// `value`, JSON text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FieldIs {
+    pub path: Vec<String>,
+    pub value: String,
+}
+
+/// A [`FieldIs`] ready to test documents with: its value canonical, as documents are, and
+/// the text that a document holding it must contain (`"field":value`), which a fast search
+/// looks for before the exact test reads the document's structure.
+struct Test<'c> {
+    path: &'c [String],
+    value: String,
+    member: Option<memchr::memmem::Finder<'static>>,
+}
+
+impl Test<'_> {
+    fn holds(&self, text: &str) -> bool {
+        self.member.as_ref().is_none_or(|member| member.find(text.as_bytes()).is_some())
+            && sagabox_toolkit::json_text::holds(text, self.path, &self.value)
+    }
 }
 
 /// Values by namespace, then key: looked up with borrowed names, so a read of a document the
@@ -218,6 +244,42 @@ impl Txn {
             return Err(cap("list size", format!("{limit} keys per listing"), detail));
         }
         Ok(keys)
+    }
+
+    /// The documents of `ns` whose keys start with `prefix` and that hold every condition,
+    /// own writes included. It reads what [`Txn::try_list`] and a [`Txn::try_get`] of every
+    /// key read, so the same caps apply and a change to any document looked at conflicts.
+    pub fn try_find(
+        &mut self,
+        ns: &str,
+        prefix: &str,
+        conditions: &[FieldIs],
+    ) -> Result<Vec<(String, Arc<str>)>, TxnError> {
+        let tests = conditions.iter().map(|c| self.test(ns, c)).collect::<Result<Vec<_>, _>>()?;
+        let mut found = Vec::new();
+        for key in self.try_list(ns, prefix)? {
+            let Some(text) = self.try_get(ns, &key)? else { continue };
+            if tests.iter().all(|test| test.holds(&text)) {
+                found.push((key, text));
+            }
+        }
+        Ok(found)
+    }
+
+    fn test<'c>(&self, ns: &str, condition: &'c FieldIs) -> Result<Test<'c>, TxnError> {
+        for field in &condition.path {
+            self.check_names(ns, field)?;
+        }
+        let value = crate::json::canonicalize(&condition.value).map_err(|e| TxnError::InvalidCondition {
+            namespace: ns.to_string(),
+            path: short(&condition.path.join(".")).to_string(),
+            reason: e.to_string(),
+        })?;
+        let member = condition.path.last().map(|field| {
+            let needle = format!("{}:{value}", crate::json::canonical(&serde_json::Value::from(field.as_str())));
+            memchr::memmem::Finder::new(needle.as_bytes()).into_owned()
+        });
+        Ok(Test { path: &condition.path, value, member })
     }
 
     /// At most `take` keys of the snapshot, with the call's own writes laid over them.
@@ -388,6 +450,88 @@ mod tests {
         let mut big = Txn::new(store.snapshot(), WriteQuota { bytes: 64, writes: 100 });
         let long = format!("\"{}\"", "x".repeat(100));
         assert!(matches!(big.put("a", "b", &long), Err(TxnError::QuotaExceeded(_))));
+    }
+
+    fn flights() -> MemoryStore {
+        let flights = json!({
+            "A1": { "origin": "SFO", "seats": 3, "dates": { "d1": { "origin": "JFK" } } },
+            "A2": { "origin": "JFK", "seats": 3.0, "note": "\"origin\":\"SFO\"" },
+            "A3": { "origin": "SFO", "seats": 2, "extra": { "b": 1, "a": [1, 2.0] } },
+            "B1": { "origin": "SFO", "seats": 3 },
+        });
+        MemoryStore::new(State::from_json(&json!({ "flights": flights })).unwrap())
+    }
+
+    fn is(path: &[&str], value: &str) -> FieldIs {
+        FieldIs { path: path.iter().map(|p| p.to_string()).collect(), value: value.to_string() }
+    }
+
+    fn keys(found: Vec<(String, Arc<str>)>) -> Vec<String> {
+        found.into_iter().map(|(key, _)| key).collect()
+    }
+
+    #[test]
+    fn a_find_keeps_the_documents_that_hold_every_condition() {
+        let store = flights();
+        let mut txn = Txn::new(store.snapshot(), WriteQuota::default());
+        let mut find = |prefix, conditions: &[FieldIs]| keys(txn.try_find("flights", prefix, conditions).unwrap());
+        assert_eq!(find("A", &[is(&["origin"], r#""SFO""#)]), ["A1", "A3"], "nested and quoted lookalikes");
+        assert_eq!(find("", &[is(&["seats"], "3")]), ["A1", "A2", "B1"], "3.0 is 3");
+        assert_eq!(find("", &[is(&["origin"], r#""SFO""#), is(&["seats"], "3.0")]), ["A1", "B1"]);
+        assert_eq!(find("", &[is(&["extra"], r#"{ "a": [1, 2], "b": 1.0 }"#)]), ["A3"], "compared canonically");
+        assert_eq!(find("", &[is(&["dates", "d1", "origin"], r#""JFK""#)]), ["A1"]);
+        assert_eq!(find("", &[is(&["origin", "x"], r#""SFO""#)]), Vec::<String>::new());
+        assert_eq!(find("", &[]).len(), 4);
+        let quoted = MemoryStore::new(State::from_json(&json!({ "n": { "k": { "q\"uote\\": 1 } } })).unwrap());
+        let mut quoted = Txn::new(quoted.snapshot(), WriteQuota::default());
+        assert_eq!(keys(quoted.try_find("n", "", &[is(&["q\"uote\\"], "1")]).unwrap()), ["k"], "an escaped key");
+        assert!(matches!(
+            txn.try_find("flights", "", &[is(&["origin"], "SFO")]),
+            Err(TxnError::InvalidCondition { namespace, path, .. }) if namespace == "flights" && path == "origin"
+        ));
+    }
+
+    #[test]
+    fn a_find_sees_the_calls_own_writes_and_deletes() {
+        let store = flights();
+        let mut txn = Txn::new(store.snapshot(), WriteQuota::default());
+        txn.put("flights", "A2", r#"{"origin":"SFO"}"#).unwrap();
+        txn.put("flights", "C1", r#"{"origin":"SFO"}"#).unwrap();
+        txn.delete("flights", "A1").unwrap();
+        let found = keys(txn.try_find("flights", "", &[is(&["origin"], r#""SFO""#)]).unwrap());
+        assert_eq!(found, ["A2", "A3", "B1", "C1"]);
+    }
+
+    /// A find read every document it looked at: a change to one it left out conflicts too,
+    /// since the change could have made it match.
+    #[test]
+    fn a_find_conflicts_with_a_change_to_any_document_it_looked_at() {
+        let store = flights();
+        let mut finder = Txn::new(store.snapshot(), WriteQuota::default());
+        finder.try_find("flights", "A", &[is(&["origin"], r#""SFO""#)]).unwrap();
+        finder.put("flights", "count", "1").unwrap();
+        let mut other = Txn::new(store.snapshot(), WriteQuota::default());
+        other.put("flights", "B1", r#"{"origin":"LAX"}"#).unwrap();
+        store.commit(&other).unwrap();
+        let mut mover = Txn::new(store.snapshot(), WriteQuota::default());
+        mover.put("flights", "A2", r#"{"origin":"SFO"}"#).unwrap();
+        store.commit(&mover).unwrap();
+        assert_eq!(store.commit(&finder).unwrap_err().key, "A2");
+    }
+
+    #[test]
+    fn a_find_is_capped_like_a_listing_and_a_read() {
+        let store = flights();
+        let caps = |listed_keys, distinct_reads| StoreCaps { listed_keys, distinct_reads, ..StoreCaps::default() };
+        let mut listing = Txn::new(store.snapshot(), WriteQuota::default()).with_caps(caps(3, 100));
+        let e = listing.try_find("flights", "", &[]).unwrap_err();
+        assert!(matches!(e, TxnError::CapExceeded { cap: "list size", .. }), "{e}");
+        let mut reading = Txn::new(store.snapshot(), WriteQuota::default()).with_caps(caps(100, 3));
+        let e = reading.try_find("flights", "", &[]).unwrap_err();
+        assert!(matches!(e, TxnError::CapExceeded { cap: "read set", .. }), "{e}");
+        let mut long = Txn::new(store.snapshot(), WriteQuota::default());
+        let e = long.try_find("flights", "", &[is(&[&"x".repeat(2000)], "1")]).unwrap_err();
+        assert!(matches!(e, TxnError::CapExceeded { cap: "key length", .. }), "{e}");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 use std::hint::black_box;
 
-use sagabox_toolkit::{Args, Context, Plugin, Store, StoreExt, ToolError, ToolSpec, Value, json};
+use sagabox_toolkit::{Args, Context, FieldIs, Plugin, Store, StoreExt, ToolError, ToolSpec, Value, json};
 
 pub struct Hostile;
 
@@ -33,6 +33,11 @@ impl Plugin for Hostile {
                 "sleep",
                 "Blocks in a host call for a long time.",
                 json!({ "seconds": { "type": "integer", "minimum": 0 } }),
+            ),
+            tool(
+                "snoop",
+                "Finds documents by conditions, in any namespace (`find`), and returns their keys.",
+                json!({ "namespace": { "type": "string" }, "conditions": { "type": "array" } }),
             ),
             ToolSpec::undo(
                 "trespass",
@@ -102,6 +107,26 @@ impl Plugin for Hostile {
                 let seconds = args.get("seconds").and_then(Value::as_u64).unwrap_or(3600);
                 std::thread::sleep(std::time::Duration::from_secs(seconds));
                 Ok(json!({ "slept": seconds }))
+            }
+            "snoop" => {
+                let namespace = a.opt_str("namespace").unwrap_or("flights");
+                let conditions: Vec<FieldIs> = args["conditions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|c| FieldIs {
+                        path: c["path"]
+                            .as_array()
+                            .into_iter()
+                            .flatten()
+                            .filter_map(Value::as_str)
+                            .map(str::to_string)
+                            .collect(),
+                        value: c["value"].as_str().unwrap_or_default().to_string(),
+                    })
+                    .collect();
+                let found = store.find(namespace, "", &conditions)?;
+                Ok(json!(found.into_iter().map(|(key, _)| key).collect::<Vec<_>>()))
             }
             "trespass" => {
                 let namespace = a.opt_str("namespace").unwrap_or("flights");

@@ -1,0 +1,291 @@
+//! Reading JSON documents as the store keeps them (canonical text: sorted keys, no white
+//! space) without parsing them whole: where the value at a path sits, an object's members,
+//! and whether a document holds a value at a path, the test behind `store.find`.
+
+use serde_json::Value;
+
+use crate::common::to_json;
+
+/// Whether `text`, a document as the store keeps it, holds `value` at `path` (field names
+/// from the top; empty: the whole document). Both are canonical JSON text (the host makes a
+/// condition's value canonical before it compares), so equal values are equal texts.
+pub fn holds(text: &str, path: &[impl AsRef<str>], value: &str) -> bool {
+    match span_at(text, path) {
+        Span::At(range) => text[range] == *value,
+        Span::Missing => false,
+        Span::Unreadable => {
+            let Ok(doc) = serde_json::from_str::<Value>(text) else { return false };
+            let found = path.iter().try_fold(&doc, |v, p| v.get(p.as_ref()));
+            found.is_some_and(|v| to_json(v) == value)
+        }
+    }
+}
+
+/// Where a value sits in a document's text (see [`span_at`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Span {
+    /// The value's text.
+    At(std::ops::Range<usize>),
+    /// Nothing there: a field is missing, or what should hold it is not an object.
+    Missing,
+    /// The text is not what the scanner reads (escaped keys, not JSON): parse it whole.
+    Unreadable,
+}
+
+/// Where the value at `path` (field names from the top) sits in `text`, a JSON document as the
+/// store keeps it (canonical, so no key appears twice in an object), without parsing it.
+pub(crate) fn span_at(text: &str, path: &[impl AsRef<str>]) -> Span {
+    let scan = Scan(text);
+    let mut range = scan.space(0)..text.trim_end().len();
+    for field in path {
+        if text.as_bytes().get(range.start) != Some(&b'{') {
+            return Span::Missing;
+        }
+        let mut found = None;
+        let complete = scan.each_member(range.start, |key, value| {
+            let hit = key == field.as_ref();
+            if hit {
+                found = Some(value);
+            }
+            !hit
+        });
+        match (found, complete) {
+            (Some(value), _) => range = value,
+            (None, Some(())) => return Span::Missing,
+            (None, None) => return Span::Unreadable,
+        }
+    }
+    Span::At(range)
+}
+
+/// The members of the JSON object `text` (valid JSON, as the store keeps it): each key and
+/// the text of its value, in order. None when `text` is not an object or a key has escapes.
+pub fn members(text: &str) -> Option<Vec<(&str, &str)>> {
+    let scan = Scan(text);
+    let mut found = Vec::new();
+    scan.each_member(scan.space(0), |key, value| {
+        found.push((key, &text[value]));
+        true
+    })?;
+    Some(found)
+}
+
+/// Where the top-level fields `names` of `text` (as the store keeps it) sit, in one pass;
+/// None when the scanner does not read `text` (not an object, escaped keys).
+pub(crate) fn top_fields(text: &str, names: &[&str]) -> Option<Vec<Option<std::ops::Range<usize>>>> {
+    let scan = Scan(text);
+    let mut found = vec![None; names.len()];
+    scan.each_member(scan.space(0), |field, value| {
+        for (name, slot) in names.iter().zip(found.iter_mut()) {
+            if *name == field {
+                *slot = Some(value.clone());
+            }
+        }
+        true
+    })?;
+    Some(found)
+}
+
+/// Reads the structure of JSON text without building anything.
+struct Scan<'t>(&'t str);
+
+impl<'t> Scan<'t> {
+    fn bytes(&self) -> &'t [u8] {
+        self.0.as_bytes()
+    }
+
+    /// The first index from `i` that is not white space.
+    fn space(&self, mut i: usize) -> usize {
+        while self.bytes().get(i).is_some_and(u8::is_ascii_whitespace) {
+            i += 1;
+        }
+        i
+    }
+
+    /// The index just past the string that starts at `i` (its opening quote).
+    fn string_end(&self, mut i: usize) -> Option<usize> {
+        i += 1;
+        loop {
+            match self.bytes().get(i)? {
+                b'\\' => i += 2,
+                b'"' => return Some(i + 1),
+                _ => i += 1,
+            }
+        }
+    }
+
+    /// The index just past the value that starts at `i`.
+    fn value_end(&self, i: usize) -> Option<usize> {
+        match self.bytes().get(i)? {
+            b'"' => self.string_end(i),
+            b'{' | b'[' => {
+                let (mut depth, mut j) = (0usize, i);
+                loop {
+                    match self.bytes().get(j)? {
+                        b'"' => {
+                            j = self.string_end(j)?;
+                            continue;
+                        }
+                        b'{' | b'[' => depth += 1,
+                        b'}' | b']' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                return Some(j + 1);
+                            }
+                        }
+                        _ => {}
+                    }
+                    j += 1;
+                }
+            }
+            _ => {
+                let mut j = i;
+                while self.bytes().get(j).is_some_and(|b| !matches!(b, b',' | b'}' | b']') && !b.is_ascii_whitespace())
+                {
+                    j += 1;
+                }
+                Some(j)
+            }
+        }
+    }
+
+    /// Calls `visit` with each key of the object that starts at `i` and its value's range,
+    /// in order, while it returns true. None when there is no object there or a key has
+    /// escapes (before `visit` stopped).
+    fn each_member(&self, i: usize, mut visit: impl FnMut(&'t str, std::ops::Range<usize>) -> bool) -> Option<()> {
+        let bytes = self.bytes();
+        if bytes.get(i) != Some(&b'{') {
+            return None;
+        }
+        let mut i = self.space(i + 1);
+        if bytes.get(i) == Some(&b'}') {
+            return Some(());
+        }
+        loop {
+            if bytes.get(i) != Some(&b'"') {
+                return None;
+            }
+            let key_end = self.string_end(i)?;
+            let key = &self.0[i + 1..key_end - 1];
+            if key.contains('\\') {
+                return None;
+            }
+            i = self.space(key_end);
+            if bytes.get(i) != Some(&b':') {
+                return None;
+            }
+            let start = self.space(i + 1);
+            let end = self.value_end(start)?;
+            if !visit(key, start..end) {
+                return Some(());
+            }
+            i = self.space(end);
+            match bytes.get(i)? {
+                b',' => i = self.space(i + 1),
+                b'}' => return Some(()),
+                _ => return None,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    use super::*;
+    use crate::taubench::float;
+
+    /// Keys of a few documents' objects: plain ones, one that sorts first, and ones whose JSON
+    /// text has escapes, which the scanner leaves to a full parse.
+    pub(crate) const KEYS: [&str; 7] = ["a", "b", "da", "dates", "z", "q\"uote", "back\\slash"];
+
+    pub(crate) fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i32>().prop_map(|n| json!(n)),
+            (-1e6f64..1e6).prop_map(float),
+            "[a-z{}\\[\\]\",:\\\\ ]{0,8}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 48, 5, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                prop::collection::btree_map(prop::sample::select(&KEYS[..]), inner, 0..5)
+                    .prop_map(|m| Value::Object(m.into_iter().map(|(k, v)| (k.to_string(), v)).collect())),
+            ]
+        })
+    }
+
+    /// A document and a path: mostly one that leads into the document (picking among the
+    /// keys each object has), sometimes with a key it lacks at the end.
+    pub(crate) fn doc_and_path() -> impl Strategy<Value = (Value, Vec<&'static str>)> {
+        let picks = prop::collection::vec(any::<prop::sample::Index>(), 0..4);
+        let stray = prop::option::of(prop::sample::select(&KEYS[..]));
+        (json_value(), picks, stray).prop_map(|(doc, picks, stray)| {
+            let mut path = Vec::new();
+            let mut at = &doc;
+            for pick in picks {
+                let Some(fields) = at.as_object().filter(|f| !f.is_empty()) else { break };
+                let (key, value) = fields.iter().nth(pick.index(fields.len())).unwrap();
+                path.push(*KEYS.iter().find(|k| *k == key).unwrap());
+                at = value;
+            }
+            path.extend(stray);
+            (doc, path)
+        })
+    }
+
+    pub(crate) fn lookup<'v>(doc: &'v Value, path: &[&str]) -> Option<&'v Value> {
+        path.iter().try_fold(doc, |v, p| v.get(*p))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2048, ..ProptestConfig::default() })]
+
+        /// The scanner finds, in canonical or pretty-printed text, exactly what a parse finds,
+        /// and gives up only where a key has escapes.
+        #[test]
+        fn a_span_holds_what_a_parse_finds_at_the_path((doc, path) in doc_and_path(), pretty: bool) {
+            let text = if pretty { serde_json::to_string_pretty(&doc).unwrap() } else { to_json(&doc) };
+            let found = lookup(&doc, &path);
+            match span_at(&text, &path) {
+                Span::At(range) => {
+                    let part: Value = serde_json::from_str(&text[range]).unwrap();
+                    prop_assert_eq!(Some(&part), found);
+                }
+                Span::Missing => prop_assert_eq!(found, None),
+                Span::Unreadable => prop_assert!(text.contains('\\'), "gave up on {}", text),
+            }
+        }
+
+        /// `holds` says exactly what a parse and a comparison say, on canonical texts, for
+        /// values there, values not there and paths that lead nowhere.
+        #[test]
+        fn holds_is_what_a_parse_finds((doc, path) in doc_and_path(), other in json_value(), take_found: bool) {
+            let text = to_json(&doc);
+            let found = lookup(&doc, &path);
+            let value = match found {
+                Some(found) if take_found => found.clone(),
+                _ => other,
+            };
+            prop_assert_eq!(holds(&text, &path, &to_json(&value)), found == Some(&value), "{} at {:?}", text, path);
+        }
+    }
+
+    #[test]
+    fn holds_looks_only_at_the_field_at_the_path() {
+        let flight = to_json(&json!({
+            "origin": "SFO",
+            "destination": "JFK",
+            "dates": { "2024-05-17": { "origin": "JFK", "note": "{\"destination\":\"SFO\"}" } }
+        }));
+        assert!(holds(&flight, &["origin"], r#""SFO""#));
+        assert!(!holds(&flight, &["origin"], r#""JFK""#), "a nested field of the same name");
+        assert!(!holds(&flight, &["destination"], r#""SFO""#), "a field named inside a string");
+        assert!(holds(&flight, &["dates", "2024-05-17", "origin"], r#""JFK""#));
+        assert!(!holds(&flight, &["origin", "x"], r#""SFO""#));
+        assert!(holds(r#"{"q\"uote":1}"#, &["q\"uote"], "1"), "an escaped key, read by a parse");
+    }
+}
