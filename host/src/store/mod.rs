@@ -80,7 +80,17 @@ impl Namespace {
 
     /// Keys that start with `prefix`, in order.
     pub fn keys_with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a String> + 'a {
-        self.docs.range(prefix.to_string()..).map(|(k, _)| k).take_while(move |k| k.starts_with(prefix))
+        self.with_prefix(prefix).map(|(k, _)| k)
+    }
+
+    /// Documents whose keys start with `prefix`, in key order.
+    pub fn with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = (&'a String, &'a Doc)> + 'a {
+        self.docs.range(prefix.to_string()..).take_while(move |(k, _)| k.starts_with(prefix))
+    }
+
+    /// Whether both hold the very same documents (one is an unchanged copy of the other).
+    pub(crate) fn shares_docs_with(&self, other: &Namespace) -> bool {
+        self.docs.ptr_eq(&other.docs)
     }
 }
 

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use super::{Change, State};
+use super::{Change, Namespace, State};
 
 /// How much one call may write, so that a plugin cannot grow host memory through the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -151,6 +151,9 @@ pub struct Txn {
     reads: ByDoc<Option<u64>>,
     /// Namespaces listed, with their key-set version at the snapshot.
     listed: BTreeMap<String, u64>,
+    /// Key ranges read whole by a find: (namespace, prefix). Recorded as ranges rather than
+    /// document by document, since a find looks at every document of its range.
+    scanned: Vec<(String, String)>,
     /// Pending writes; `None` deletes.
     writes: ByDoc<Option<Arc<str>>>,
     bytes_written: usize,
@@ -165,6 +168,7 @@ impl Txn {
             caps: StoreCaps::default(),
             reads: ByDoc::default(),
             listed: BTreeMap::new(),
+            scanned: Vec::new(),
             writes: ByDoc::default(),
             bytes_written: 0,
             write_ops: 0,
@@ -247,23 +251,57 @@ impl Txn {
     }
 
     /// The documents of `ns` whose keys start with `prefix` and that hold every condition,
-    /// own writes included. It reads what [`Txn::try_list`] and a [`Txn::try_get`] of every
-    /// key read, so the same caps apply and a change to any document looked at conflicts.
+    /// own writes included. The whole range counts as read: a change to any document in it
+    /// (or a key added to it or removed) conflicts, as after a `list` and a `get` of each key.
+    /// It looks at no more documents than a listing may return.
     pub fn try_find(
         &mut self,
         ns: &str,
         prefix: &str,
         conditions: &[FieldIs],
     ) -> Result<Vec<(String, Arc<str>)>, TxnError> {
+        self.check_names(ns, prefix)?;
         let tests = conditions.iter().map(|c| self.test(ns, c)).collect::<Result<Vec<_>, _>>()?;
+        let limit = self.caps.listed_keys;
         let mut found = Vec::new();
-        for key in self.try_list(ns, prefix)? {
-            let Some(text) = self.try_get(ns, &key)? else { continue };
-            if tests.iter().all(|test| test.holds(&text)) {
-                found.push((key, text));
+        let mut looked_at = 0;
+        for (key, text) in self.range(ns, prefix) {
+            looked_at += 1;
+            if looked_at > limit {
+                let detail = format!("{ns} has more keys starting with '{}'", short(prefix));
+                return Err(cap("list size", format!("{limit} keys per listing"), detail));
+            }
+            if tests.iter().all(|test| test.holds(text)) {
+                found.push((key.clone(), text.clone()));
             }
         }
+        if !self.scanned.iter().any(|(n, p)| n == ns && prefix.starts_with(p.as_str())) {
+            self.scanned.push((ns.to_string(), prefix.to_string()));
+        }
         Ok(found)
+    }
+
+    /// The documents of `ns` whose keys start with `prefix`, in key order, as this call sees
+    /// them: the snapshot's with the call's own writes laid over them.
+    fn range<'a>(&'a self, ns: &str, prefix: &'a str) -> impl Iterator<Item = (&'a String, &'a Arc<str>)> + 'a {
+        let snapshot = self.base.namespace(ns).into_iter().flat_map(move |n| n.with_prefix(prefix));
+        let mut snapshot = snapshot.map(|(key, doc)| (key, Some(&doc.text))).peekable();
+        let mut written = self.writes.with_prefix(ns, prefix).map(|(key, text)| (key, text.as_ref())).peekable();
+        std::iter::from_fn(move || {
+            let next = match (snapshot.peek(), written.peek()) {
+                (Some((a, _)), Some((b, _))) if a < b => snapshot.next(),
+                (Some((a, _)), Some((b, _))) if a == b => {
+                    snapshot.next();
+                    written.next()
+                }
+                (Some(_), Some(_)) | (None, Some(_)) => written.next(),
+                (Some(_), None) => snapshot.next(),
+                (None, None) => None,
+            };
+            Some(next)
+        })
+        .map_while(|next| next)
+        .filter_map(|(key, text)| Some((key, text?)))
     }
 
     fn test<'c>(&self, ns: &str, condition: &'c FieldIs) -> Result<Test<'c>, TxnError> {
@@ -362,6 +400,11 @@ impl Txn {
                 return Err(Conflict { namespace: ns.clone(), key: "*".to_string() });
             }
         }
+        for (ns, prefix) in &self.scanned {
+            if let Some(key) = first_difference(self.base.namespace(ns), current.namespace(ns), prefix) {
+                return Err(Conflict { namespace: ns.clone(), key });
+            }
+        }
         Ok(())
     }
 
@@ -379,6 +422,29 @@ impl Txn {
             })
             .collect()
     }
+}
+
+/// The first key starting with `prefix` whose document differs (or exists in one only)
+/// between two versions of a namespace; None when the range is the same in both.
+fn first_difference(before: Option<&Namespace>, after: Option<&Namespace>, prefix: &str) -> Option<String> {
+    if let (Some(b), Some(a)) = (before, after)
+        && b.shares_docs_with(a)
+    {
+        return None;
+    }
+    let (mut before, mut after) = (versions(before, prefix), versions(after, prefix));
+    loop {
+        match (before.next(), after.next()) {
+            (None, None) => return None,
+            (b, a) if b == a => continue,
+            (Some((b, _)), Some((a, _))) => return Some(b.min(a).clone()),
+            (Some((key, _)), None) | (None, Some((key, _))) => return Some(key.clone()),
+        }
+    }
+}
+
+fn versions<'a>(namespace: Option<&'a Namespace>, prefix: &'a str) -> impl Iterator<Item = (&'a String, u64)> + 'a {
+    namespace.into_iter().flat_map(move |n| n.with_prefix(prefix)).map(|(key, doc)| (key, doc.version))
 }
 
 fn cap(cap: &'static str, limit: String, detail: String) -> TxnError {
@@ -502,33 +568,42 @@ mod tests {
         assert_eq!(found, ["A2", "A3", "B1", "C1"]);
     }
 
-    /// A find read every document it looked at: a change to one it left out conflicts too,
-    /// since the change could have made it match.
+    /// A find reads its whole range: a change to a document it left out conflicts too (the
+    /// change could have made it match), as does a key added to the range; a change outside
+    /// the range does not.
     #[test]
-    fn a_find_conflicts_with_a_change_to_any_document_it_looked_at() {
+    fn a_find_conflicts_with_a_change_anywhere_in_its_range_and_nowhere_else() {
         let store = flights();
-        let mut finder = Txn::new(store.snapshot(), WriteQuota::default());
-        finder.try_find("flights", "A", &[is(&["origin"], r#""SFO""#)]).unwrap();
-        finder.put("flights", "count", "1").unwrap();
-        let mut other = Txn::new(store.snapshot(), WriteQuota::default());
-        other.put("flights", "B1", r#"{"origin":"LAX"}"#).unwrap();
-        store.commit(&other).unwrap();
-        let mut mover = Txn::new(store.snapshot(), WriteQuota::default());
-        mover.put("flights", "A2", r#"{"origin":"SFO"}"#).unwrap();
-        store.commit(&mover).unwrap();
-        assert_eq!(store.commit(&finder).unwrap_err().key, "A2");
+        let finder = || {
+            let mut txn = Txn::new(store.snapshot(), WriteQuota::default());
+            txn.try_find("flights", "A", &[is(&["origin"], r#""SFO""#)]).unwrap();
+            txn.put("flights", "count", "1").unwrap();
+            txn
+        };
+        let commit = |key: &str, doc: &str| {
+            let mut txn = Txn::new(store.snapshot(), WriteQuota::default());
+            txn.put("flights", key, doc).unwrap();
+            store.commit(&txn).unwrap();
+        };
+        let (outside, not_matching, added) = (finder(), finder(), finder());
+        commit("B1", r#"{"origin":"LAX"}"#);
+        store.commit(&outside).unwrap();
+        commit("A2", r#"{"origin":"SFO"}"#);
+        assert_eq!(store.commit(&not_matching).unwrap_err().key, "A2");
+        let late = finder();
+        commit("A0", r#"{"origin":"LAX"}"#);
+        assert_eq!(store.commit(&late).unwrap_err().key, "A0");
+        assert_eq!(store.commit(&added).unwrap_err().key, "A0");
     }
 
     #[test]
-    fn a_find_is_capped_like_a_listing_and_a_read() {
+    fn a_find_looks_at_no_more_documents_than_a_listing_returns() {
         let store = flights();
-        let caps = |listed_keys, distinct_reads| StoreCaps { listed_keys, distinct_reads, ..StoreCaps::default() };
-        let mut listing = Txn::new(store.snapshot(), WriteQuota::default()).with_caps(caps(3, 100));
-        let e = listing.try_find("flights", "", &[]).unwrap_err();
+        let listing = StoreCaps { listed_keys: 3, ..StoreCaps::default() };
+        let mut capped = Txn::new(store.snapshot(), WriteQuota::default()).with_caps(listing);
+        let e = capped.try_find("flights", "", &[]).unwrap_err();
         assert!(matches!(e, TxnError::CapExceeded { cap: "list size", .. }), "{e}");
-        let mut reading = Txn::new(store.snapshot(), WriteQuota::default()).with_caps(caps(100, 3));
-        let e = reading.try_find("flights", "", &[]).unwrap_err();
-        assert!(matches!(e, TxnError::CapExceeded { cap: "read set", .. }), "{e}");
+        assert_eq!(keys(capped.try_find("flights", "A", &[]).unwrap()), ["A1", "A2", "A3"]);
         let mut long = Txn::new(store.snapshot(), WriteQuota::default());
         let e = long.try_find("flights", "", &[is(&[&"x".repeat(2000)], "1")]).unwrap_err();
         assert!(matches!(e, TxnError::CapExceeded { cap: "key length", .. }), "{e}");
