@@ -9,7 +9,7 @@ use super::access::{Granted, Refusal};
 use super::error::CallError;
 use super::policy::Limits;
 use super::{CallContext, Plugin};
-use crate::store::{self, Txn};
+use crate::store::Txn;
 
 /// The toolkit's store trait over a call's transaction, with the plugin's grants.
 struct NativeStore<'a> {
@@ -53,9 +53,7 @@ impl Store for NativeStore<'_> {
     }
 
     fn find(&mut self, ns: &str, prefix: &str, conditions: &[FieldIs]) -> Result<Vec<(String, String)>, ToolError> {
-        let conditions: Vec<store::FieldIs> =
-            conditions.iter().map(|c| store::FieldIs { path: c.path.clone(), value: c.value.clone() }).collect();
-        let found = self.granted.find(ns, prefix, &conditions);
+        let found = self.granted.find(ns, prefix, conditions);
         let found = found.map_err(|r| self.refused(r))?;
         Ok(found.into_iter().map(|(key, text)| (key, text.to_string())).collect())
     }

@@ -31,13 +31,27 @@ pub struct StoreCaps {
     pub namespace_bytes: usize,
     /// Distinct documents one call may read (its read set).
     pub distinct_reads: usize,
-    /// Keys one `list` may return.
+    /// Keys one `list` may return, or one `find` may look at.
     pub listed_keys: usize,
+    /// Conditions of one `find`. A find runs in the host, where the call's deadline cannot
+    /// stop it: its work is bounded by the documents it looks at times its conditions.
+    #[serde(default = "default_find_conditions")]
+    pub find_conditions: usize,
+}
+
+fn default_find_conditions() -> usize {
+    32
 }
 
 impl Default for StoreCaps {
     fn default() -> Self {
-        StoreCaps { key_bytes: 1024, namespace_bytes: 256, distinct_reads: 50_000, listed_keys: 50_000 }
+        StoreCaps {
+            key_bytes: 1024,
+            namespace_bytes: 256,
+            distinct_reads: 50_000,
+            listed_keys: 50_000,
+            find_conditions: default_find_conditions(),
+        }
     }
 }
 
@@ -64,12 +78,8 @@ pub struct Conflict {
 }
 
 /// A condition of [`Txn::try_find`]: the value at `path` (field names from the top) is
-/// `value`, JSON text.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FieldIs {
-    pub path: Vec<String>,
-    pub value: String,
-}
+/// `value`, JSON text. The tools' own type: the host and the toolkit share one definition.
+pub use sagabox_toolkit::FieldIs;
 
 /// A [`FieldIs`] ready to test documents with: its value canonical, as documents are, and
 /// the text that a document holding it must contain (`"field":value`), which a fast search
@@ -110,20 +120,32 @@ impl<V> ByDoc<V> {
         self.get(ns, key).is_some()
     }
 
+    /// The keys of `ns`, made empty the first time (the name is copied once per namespace).
+    fn keys_of<'a>(by_ns: &'a mut BTreeMap<String, BTreeMap<String, V>>, ns: &str) -> &'a mut BTreeMap<String, V> {
+        if !by_ns.contains_key(ns) {
+            by_ns.insert(ns.to_string(), BTreeMap::new());
+        }
+        by_ns.get_mut(ns).expect("inserted above")
+    }
+
     /// Sets `ns`/`key` to `value`, replacing what was there.
     fn insert(&mut self, ns: &str, key: &str, value: V) {
-        if let Some(slot) = self.by_ns.get_mut(ns).and_then(|keys| keys.get_mut(key)) {
-            *slot = value;
-            return;
+        let keys = Self::keys_of(&mut self.by_ns, ns);
+        match keys.get_mut(key) {
+            Some(slot) => *slot = value,
+            None => {
+                keys.insert(key.to_string(), value);
+                self.len += 1;
+            }
         }
-        self.by_ns.entry(ns.to_string()).or_default().insert(key.to_string(), value);
-        self.len += 1;
     }
 
     /// Sets `ns`/`key` to `value` unless it holds one already.
     fn insert_new(&mut self, ns: &str, key: &str, value: V) {
-        if !self.contains(ns, key) {
-            self.insert(ns, key, value);
+        let keys = Self::keys_of(&mut self.by_ns, ns);
+        if !keys.contains_key(key) {
+            keys.insert(key.to_string(), value);
+            self.len += 1;
         }
     }
 
@@ -199,8 +221,9 @@ impl Txn {
     /// read set past its cap.
     pub fn try_get(&mut self, ns: &str, key: &str) -> Result<Option<Arc<str>>, TxnError> {
         self.check_names(ns, key)?;
-        let known = self.writes.contains(ns, key) || self.reads.contains(ns, key);
-        if !known && self.reads.len >= self.caps.distinct_reads {
+        // Only a call already at the cap pays for the lookups that tell a new read.
+        let at_cap = self.reads.len >= self.caps.distinct_reads;
+        if at_cap && !self.writes.contains(ns, key) && !self.reads.contains(ns, key) {
             let limit = format!("{} distinct documents per call", self.caps.distinct_reads);
             return Err(cap("read set", limit, format!("reading {ns}/{} would exceed it", short(key))));
         }
@@ -240,12 +263,9 @@ impl Txn {
     /// cap, without collecting more than the cap (plus the call's own deletions) first.
     pub fn try_list(&mut self, ns: &str, prefix: &str) -> Result<Vec<String>, TxnError> {
         self.check_names(ns, prefix)?;
-        let limit = self.caps.listed_keys;
-        let deleted = self.writes.with_prefix(ns, prefix).filter(|(_, t)| t.is_none()).count();
-        let keys = self.keys(ns, prefix, limit.saturating_add(deleted).saturating_add(1));
-        if keys.len() > limit {
-            let detail = format!("{ns} has more keys starting with '{}'", short(prefix));
-            return Err(cap("list size", format!("{limit} keys per listing"), detail));
+        let keys = self.keys(ns, prefix, self.caps.listed_keys.saturating_add(1));
+        if keys.len() > self.caps.listed_keys {
+            return Err(self.listing_cap(ns, prefix));
         }
         Ok(keys)
     }
@@ -261,15 +281,15 @@ impl Txn {
         conditions: &[FieldIs],
     ) -> Result<Vec<(String, Arc<str>)>, TxnError> {
         self.check_names(ns, prefix)?;
+        if conditions.len() > self.caps.find_conditions {
+            let limit = format!("{} conditions per find", self.caps.find_conditions);
+            return Err(cap("find conditions", limit, format!("a find in {ns} with {} conditions", conditions.len())));
+        }
         let tests = conditions.iter().map(|c| self.test(ns, c)).collect::<Result<Vec<_>, _>>()?;
-        let limit = self.caps.listed_keys;
         let mut found = Vec::new();
-        let mut looked_at = 0;
-        for (key, text) in self.range(ns, prefix) {
-            looked_at += 1;
-            if looked_at > limit {
-                let detail = format!("{ns} has more keys starting with '{}'", short(prefix));
-                return Err(cap("list size", format!("{limit} keys per listing"), detail));
+        for (looked_at, (key, text)) in self.range(ns, prefix).enumerate() {
+            if looked_at == self.caps.listed_keys {
+                return Err(self.listing_cap(ns, prefix));
             }
             if tests.iter().all(|test| test.holds(text)) {
                 found.push((key.clone(), text.clone()));
@@ -304,6 +324,12 @@ impl Txn {
         .filter_map(|(key, text)| Some((key, text?)))
     }
 
+    /// A listing or a find over more keys than the cap.
+    fn listing_cap(&self, ns: &str, prefix: &str) -> TxnError {
+        let detail = format!("{ns} has more keys starting with '{}'", short(prefix));
+        cap("list size", format!("{} keys per listing", self.caps.listed_keys), detail)
+    }
+
     fn test<'c>(&self, ns: &str, condition: &'c FieldIs) -> Result<Test<'c>, TxnError> {
         for field in &condition.path {
             self.check_names(ns, field)?;
@@ -320,25 +346,11 @@ impl Txn {
         Ok(Test { path: &condition.path, value, member })
     }
 
-    /// At most `take` keys of the snapshot, with the call's own writes laid over them.
+    /// The first `take` keys of `ns` starting with `prefix`, as this call sees them.
     fn keys(&mut self, ns: &str, prefix: &str, take: usize) -> Vec<String> {
-        let namespace = self.base.namespace(ns);
-        self.listed.entry(ns.to_string()).or_insert(namespace.map_or(0, |n| n.keys_version));
-        let snapshot = namespace.into_iter().flat_map(|n| n.keys_with_prefix(prefix).take(take));
-        let mut written = self.writes.with_prefix(ns, prefix).peekable();
-        if written.peek().is_none() {
-            // The common case: nothing of this call's own to lay over the snapshot.
-            return snapshot.cloned().collect();
-        }
-        let mut keys: std::collections::BTreeSet<String> = snapshot.cloned().collect();
-        for (key, text) in written {
-            if text.is_some() {
-                keys.insert(key.clone());
-            } else {
-                keys.remove(key);
-            }
-        }
-        keys.into_iter().collect()
+        let keys_version = self.base.namespace(ns).map_or(0, |n| n.keys_version);
+        self.listed.entry(ns.to_string()).or_insert(keys_version);
+        self.range(ns, prefix).take(take).map(|(key, _)| key.clone()).collect()
     }
 
     fn check_names(&self, ns: &str, key: &str) -> Result<(), TxnError> {
@@ -607,6 +619,11 @@ mod tests {
         let mut long = Txn::new(store.snapshot(), WriteQuota::default());
         let e = long.try_find("flights", "", &[is(&[&"x".repeat(2000)], "1")]).unwrap_err();
         assert!(matches!(e, TxnError::CapExceeded { cap: "key length", .. }), "{e}");
+        let many = vec![is(&["seats"], "3"); StoreCaps::default().find_conditions + 1];
+        let e = long.try_find("flights", "", &many).unwrap_err();
+        assert!(matches!(e, TxnError::CapExceeded { cap: "find conditions", .. }), "{e}");
+        let allowed = &many[..StoreCaps::default().find_conditions];
+        assert_eq!(keys(long.try_find("flights", "", allowed).unwrap()), ["A1", "A2", "B1"]);
     }
 
     #[test]
