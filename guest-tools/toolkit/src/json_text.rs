@@ -35,8 +35,12 @@ pub(crate) enum Span {
 /// Where the value at `path` (field names from the top) sits in `text`, a JSON document as the
 /// store keeps it (canonical, so no key appears twice in an object), without parsing it.
 pub(crate) fn span_at(text: &str, path: &[impl AsRef<str>]) -> Span {
+    span_within(text, Scan(text).space(0)..text.trim_end().len(), path)
+}
+
+/// [`span_at`] from the value at `range` of `text` (a span found before) rather than from the top.
+pub(crate) fn span_within(text: &str, mut range: std::ops::Range<usize>, path: &[impl AsRef<str>]) -> Span {
     let scan = Scan(text);
-    let mut range = scan.space(0)..text.trim_end().len();
     for field in path {
         if text.as_bytes().get(range.start) != Some(&b'{') {
             return Span::Missing;
@@ -86,6 +90,32 @@ pub(crate) fn top_fields(text: &str, names: &[&str]) -> Option<Vec<Option<std::o
     Some(found)
 }
 
+/// The first index from `i` of a `"` or a `\\` in `bytes` (`bytes.len()` if none): where a
+/// string's text stops. Eight bytes at a time: most of a document's text is inside strings,
+/// and a byte loop costs several WebAssembly instructions per byte. (The same for the
+/// brackets outside strings burned more fuel than the byte loop: they are too close together.)
+fn next_quote_or_escape(bytes: &[u8], mut i: usize) -> usize {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    // The high bit of each byte of `x` that equals `b`: exact for the lowest byte set, the
+    // only one read (a borrow may also set it in bytes above a match).
+    let equal = |x: u64, b: u8| {
+        let y = x ^ (ONES * b as u64);
+        y.wrapping_sub(ONES) & !y & (ONES << 7)
+    };
+    while let Some(chunk) = bytes.get(i..i + 8) {
+        let x = u64::from_le_bytes(chunk.try_into().unwrap_or_default());
+        let found = equal(x, b'"') | equal(x, b'\\');
+        if found != 0 {
+            return i + (found.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while bytes.get(i).is_some_and(|b| !matches!(b, b'"' | b'\\')) {
+        i += 1;
+    }
+    i.min(bytes.len())
+}
+
 /// Reads the structure of JSON text without building anything.
 struct Scan<'t>(&'t str);
 
@@ -106,10 +136,10 @@ impl<'t> Scan<'t> {
     fn string_end(&self, mut i: usize) -> Option<usize> {
         i += 1;
         loop {
+            i = next_quote_or_escape(self.bytes(), i);
             match self.bytes().get(i)? {
                 b'\\' => i += 2,
-                b'"' => return Some(i + 1),
-                _ => i += 1,
+                _ => return Some(i + 1),
             }
         }
     }

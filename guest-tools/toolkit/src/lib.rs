@@ -9,6 +9,7 @@
 pub mod agents;
 pub mod airline;
 mod common;
+pub mod docs;
 pub mod hotel;
 pub mod inventory;
 pub mod json_text;

@@ -28,10 +28,10 @@ use std::collections::BTreeMap;
 use serde_json::{Map, Value, json};
 
 use crate::common::{Context, FieldIs, Plugin, Store, StoreExt, ToolError, ToolSpec, add_days, record_id};
+use crate::docs::Docs;
 use crate::json_text::members;
 use crate::taubench::{
-    self, Docs, array_arg, float, int_arg, int_of, item_str, object, python_float, rejected, str_arg, string,
-    undo_schema,
+    self, array_arg, float, int_arg, int_of, item_str, object, python_float, rejected, str_arg, string, undo_schema,
 };
 
 pub struct TaubenchAirline;
@@ -345,14 +345,13 @@ fn bookable_segment(
         return Err(rejected(format!("Not enough seats on flight {number}")));
     }
     let price = cabin_int(&day, "prices", cabin)?;
-    let mut ends =
-        docs.fields("flights", number, &["origin", "destination"])?.into_iter().map(Option::unwrap_or_default);
+    let [origin, destination] = docs.fields("flights", number, ["origin", "destination"])?;
     let segment = json!({
         "flight_number": number,
         "date": date,
         "price": price,
-        "origin": ends.next(),
-        "destination": ends.next(),
+        "origin": origin.unwrap_or_default(),
+        "destination": destination.unwrap_or_default(),
     });
     Ok((segment, price))
 }

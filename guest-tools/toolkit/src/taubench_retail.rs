@@ -24,8 +24,9 @@
 use serde_json::{Value, json};
 
 use crate::common::{Context, FieldIs, Plugin, Store, StoreExt, ToolError, ToolSpec};
+use crate::docs::Docs;
 use crate::json_text::members;
-use crate::taubench::{self, Docs, array_arg, float, object, rejected, str_arg, string, undo_schema};
+use crate::taubench::{self, array_arg, float, object, rejected, str_arg, string, undo_schema};
 
 pub struct TaubenchRetail;
 
