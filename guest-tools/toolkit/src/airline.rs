@@ -8,6 +8,7 @@ use crate::common::{
     Args, Context, Plugin, Store, StoreExt, ToolError, ToolSpec, compensator_schema, count_of, from_cents,
     nothing_to_undo, record_id, to_cents, undo_target, unknown_tool,
 };
+use crate::docs::Docs;
 
 pub struct Airline;
 
@@ -96,13 +97,16 @@ fn book(store: &mut dyn Store, args: &Value, ctx: &Context) -> Result<Value, Too
     }
     let passengers = a.count("passengers", 1)?;
     let id = record_id("R", &ctx.idempotency_key);
-    if let Some(existing) = store.doc("reservations", &id)? {
+    // The flight stays text: the day is read and its seat count replaced in place.
+    let mut docs = Docs::new(store, false);
+    if let Some(existing) = docs.load("reservations", &id)? {
         return Ok(confirmation(&existing));
     }
-
-    let mut flight = store.existing("flights", number, "flight")?;
-    let day = flight["dates"]
-        .get_mut(date)
+    if !docs.exists("flights", number)? {
+        return Err(ToolError::Rejected(format!("no flight '{number}'")));
+    }
+    let day = docs
+        .at("flights", number, &["dates", date])?
         .ok_or_else(|| ToolError::Rejected(format!("flight {number} does not fly on {date}")))?;
     if day["status"] != "available" {
         return Err(ToolError::Rejected(format!(
@@ -118,33 +122,37 @@ fn book(store: &mut dyn Store, args: &Value, ctx: &Context) -> Result<Value, Too
     }
     let price = to_cents(&day["prices"][cabin])
         .ok_or_else(|| ToolError::Rejected(format!("flight {number} has no {cabin} price")))?;
-    day["available_seats"][cabin] = json!(seats - passengers);
-    let arrival = format!("{date}T{}", flight["scheduled_arrival_time_est"].as_str().unwrap_or("00:00:00"));
+    docs.set("flights", number, &["dates", date, "available_seats", cabin], Some(json!(seats - passengers)))?;
+    let [origin, destination, arrival] =
+        docs.fields("flights", number, ["origin", "destination", "scheduled_arrival_time_est"])?;
+    let (origin, destination) = (origin.unwrap_or(Value::Null), destination.unwrap_or(Value::Null));
+    let arrival = format!("{date}T{}", arrival.as_ref().and_then(Value::as_str).unwrap_or("00:00:00"));
     let reservation = json!({
         "reservation_id": id,
         "user_id": a.opt_str("user_id"),
-        "origin": flight["origin"],
-        "destination": flight["destination"],
+        "origin": origin,
+        "destination": destination,
         "flight_type": "one_way",
         "cabin": cabin,
         "flights": [{
             "flight_number": number,
             "date": date,
             "price": from_cents(price),
-            "origin": flight["origin"],
-            "destination": flight["destination"],
+            "origin": origin,
+            "destination": destination,
         }],
         "passengers": passengers,
         "total_price": from_cents(price * passengers as i64),
         "arrival_time": arrival,
         "status": "confirmed",
     });
-    store.put_doc("flights", number, &flight)?;
-    store.put_doc("reservations", &id, &reservation)?;
+    let output = confirmation(&reservation);
+    docs.create("reservations", &id, reservation)?;
     if let Some(user_id) = a.opt_str("user_id") {
-        link_user(store, user_id, &id, true)?;
+        link_user(&mut docs, user_id, &id, true)?;
     }
-    Ok(confirmation(&reservation))
+    docs.flush()?;
+    Ok(output)
 }
 
 fn confirmation(reservation: &Value) -> Value {
@@ -162,33 +170,32 @@ fn confirmation(reservation: &Value) -> Value {
 /// reproduces a public benchmark's cancel, which never gave the seats back.
 pub fn cancel(store: &mut dyn Store, args: &Value, restore_seats: bool) -> Result<Value, ToolError> {
     let id = undo_target(args, "confirmationNumber", "R")?;
-    let Some(reservation) = store.doc("reservations", &id)? else {
+    let mut docs = Docs::new(store, false);
+    if !docs.exists("reservations", &id)? {
         return Ok(nothing_to_undo(&id));
-    };
-    let cabin = reservation["cabin"].as_str().unwrap_or("economy");
-    let passengers = count_of(&reservation, "passengers");
+    }
+    let [cabin, passengers, flights, user_id] =
+        docs.fields("reservations", &id, ["cabin", "passengers", "flights", "user_id"])?;
+    let cabin = cabin.as_ref().and_then(Value::as_str).unwrap_or("economy");
+    let passengers = passengers.as_ref().and_then(Value::as_u64).unwrap_or(0);
     if restore_seats {
-        for segment in reservation["flights"].as_array().into_iter().flatten() {
+        for segment in flights.as_ref().and_then(Value::as_array).into_iter().flatten() {
             let number = segment["flight_number"].as_str().unwrap_or_default();
             let date = segment["date"].as_str().unwrap_or_default();
-            let Some(mut flight) = store.doc("flights", number)? else { continue };
-            if let Some(seats) = flight["dates"].get_mut(date).map(|d| &mut d["available_seats"][cabin]) {
-                *seats = json!(seats.as_u64().unwrap_or(0) + passengers);
-                store.put_doc("flights", number, &flight)?;
-            }
+            docs.add_to_count("flights", number, &["dates", date, "available_seats", cabin], passengers)?;
         }
     }
-    if let Some(user_id) = reservation["user_id"].as_str() {
-        link_user(store, user_id, &id, false)?;
+    if let Some(user_id) = user_id.as_ref().and_then(Value::as_str) {
+        link_user(&mut docs, user_id, &id, false)?;
     }
-    store.delete("reservations", &id)?;
+    docs.remove("reservations", &id)?;
+    docs.flush()?;
     Ok(json!({ "undone": true, "id": id }))
 }
 
 /// Adds or removes a reservation id in the user's `reservations` list, if the user exists.
-fn link_user(store: &mut dyn Store, user_id: &str, id: &str, add: bool) -> Result<(), ToolError> {
-    let Some(mut user) = store.doc("users", user_id)? else { return Ok(()) };
-    let Some(list) = user.get_mut("reservations").and_then(Value::as_array_mut) else {
+fn link_user(docs: &mut Docs<'_>, user_id: &str, id: &str, add: bool) -> Result<(), ToolError> {
+    let Some(Value::Array(mut list)) = docs.at("users", user_id, &["reservations"])? else {
         return Ok(());
     };
     let present = list.iter().any(|r| r == id);
@@ -199,5 +206,68 @@ fn link_user(store: &mut dyn Store, user_id: &str, id: &str, add: bool) -> Resul
     } else {
         return Ok(());
     }
-    store.put_doc("users", user_id, &user)
+    docs.set("users", user_id, &["reservations"], Some(Value::Array(list)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MapStore;
+
+    const FLIGHT: &str = r#"{"dates":{"2024-05-16":{"available_seats":{"business":2,"economy":9},"prices":{"business":912,"economy":238.5},"status":"available"},"2024-05-17":{"available_seats":{"economy":3},"prices":{"economy":250},"status":"available"}},"destination":"JFK","origin":"SFO","scheduled_arrival_time_est":"14:30:00"}"#;
+    const USER: &str = r#"{"name":"Mia","reservations":["4WQ150"],"user_id":"mia"}"#;
+
+    fn call(store: &mut MapStore, tool: &str, args: Value, key: &str) -> Result<Value, ToolError> {
+        let ctx = Context { idempotency_key: key.into(), ..Context::default() };
+        Airline::call(store, tool, &args, &ctx)
+    }
+
+    /// A booking changes the text of the flight only where its seat count is, and its cancel
+    /// gives back the flight and the user byte for byte.
+    #[test]
+    fn a_booking_moves_one_seat_count_in_the_text_and_its_cancel_restores_every_byte() {
+        let mut store = MapStore::default();
+        store.put("flights", "HAT001", FLIGHT).unwrap();
+        store.put("users", "mia", USER).unwrap();
+        let start = store.clone();
+        let args = json!({"flight_number": "HAT001", "date": "2024-05-16", "passengers": 2, "user_id": "mia"});
+        let booked = call(&mut store, "book", args.clone(), "k1").unwrap();
+        assert_eq!(booked["total_price"], json!(477));
+        let flight = store.get("flights", "HAT001").unwrap().unwrap();
+        assert_eq!(flight, FLIGHT.replacen(r#""economy":9"#, r#""economy":7"#, 1));
+        let user: Value = serde_json::from_str(&store.get("users", "mia").unwrap().unwrap()).unwrap();
+        assert_eq!(user["reservations"], json!(["4WQ150", booked["confirmationNumber"]]));
+        let reservation = store.get("reservations", booked["confirmationNumber"].as_str().unwrap()).unwrap();
+        let reservation: Value = serde_json::from_str(&reservation.unwrap()).unwrap();
+        assert_eq!((reservation["origin"].clone(), reservation["cabin"].clone()), (json!("SFO"), json!("economy")));
+        assert_eq!(reservation["arrival_time"], "2024-05-16T14:30:00");
+        // A second delivery replays the first one.
+        assert_eq!(call(&mut store, "book", args, "k1").unwrap(), booked);
+        assert_eq!(store.get("flights", "HAT001").unwrap().unwrap(), flight);
+
+        let cancel = json!({"confirmationNumber": booked["confirmationNumber"]});
+        assert_eq!(call(&mut store, "cancel", cancel.clone(), "k2").unwrap()["undone"], true);
+        assert_eq!(store.0, start.0);
+        assert_eq!(call(&mut store, "cancel", cancel, "k3").unwrap()["reason"], "nothing to undo");
+    }
+
+    #[test]
+    fn a_booking_is_refused_without_a_change_when_the_day_cannot_take_it() {
+        let mut store = MapStore::default();
+        store.put("flights", "HAT001", FLIGHT).unwrap();
+        let start = store.clone();
+        let refusals = [
+            (json!({"flight_number": "HAT002", "date": "2024-05-16"}), "no flight 'HAT002'"),
+            (json!({"flight_number": "HAT001", "date": "2024-05-18"}), "does not fly on 2024-05-18"),
+            (json!({"flight_number": "HAT001", "date": "2024-05-17", "passengers": 4}), "has 3 economy seats left"),
+            (json!({"flight_number": "HAT001", "date": "2024-05-17", "cabin": "business"}), "0 business seats"),
+        ];
+        for (args, why) in refusals {
+            match call(&mut store, "book", args.clone(), "k") {
+                Err(ToolError::Rejected(message)) => assert!(message.contains(why), "{args}: {message}"),
+                other => panic!("{args}: {other:?}"),
+            }
+        }
+        assert_eq!(store.0, start.0);
+    }
 }

@@ -4,9 +4,10 @@
 use serde_json::{Value, json};
 
 use crate::common::{
-    Args, Context, Plugin, Store, StoreExt, ToolError, ToolSpec, add_days, compensator_schema, count_of, from_cents,
+    Args, Context, Plugin, Store, ToolError, ToolSpec, add_days, compensator_schema, count_of, from_cents,
     nothing_to_undo, record_id, to_cents, undo_target, unknown_tool,
 };
+use crate::docs::Docs;
 
 pub struct Hotel;
 
@@ -60,37 +61,42 @@ fn reserve(store: &mut dyn Store, args: &Value, ctx: &Context) -> Result<Value, 
     let rooms = a.count("rooms", 1)?;
     let nights = nights_from(check_in, a.count("nights", 1)?)?;
     let id = record_id("H", &ctx.idempotency_key);
-    if let Some(existing) = store.doc("hotel_bookings", &id)? {
+    // The hotel stays text: each night is read and its free rooms replaced in place.
+    let mut docs = Docs::new(store, false);
+    if let Some(existing) = docs.load("hotel_bookings", &id)? {
         return Ok(confirmation(&existing));
     }
-
-    let mut hotel = store.existing("hotels", hotel_id, "hotel")?;
+    if !docs.exists("hotels", hotel_id)? {
+        return Err(ToolError::Rejected(format!("no hotel '{hotel_id}'")));
+    }
     let mut total = 0;
     for night in &nights {
-        let day = hotel["dates"]
-            .get_mut(night.as_str())
+        let day = docs
+            .at("hotels", hotel_id, &["dates", night])?
             .ok_or_else(|| ToolError::Rejected(format!("hotel {hotel_id} takes no bookings for {night}")))?;
-        let free = count_of(day, "rooms_available");
+        let free = count_of(&day, "rooms_available");
         if free < rooms {
             return Err(ToolError::Rejected(format!(
                 "hotel {hotel_id} has {free} rooms free on {night}, {rooms} asked"
             )));
         }
-        day["rooms_available"] = json!(free - rooms);
+        docs.set("hotels", hotel_id, &["dates", night, "rooms_available"], Some(json!(free - rooms)))?;
         total += to_cents(&day["price"]).unwrap_or(0) * rooms as i64;
     }
+    let address = docs.at("hotels", hotel_id, &["address"])?.unwrap_or(Value::Null);
     let booking = json!({
         "booking_id": id,
         "hotel_id": hotel_id,
-        "address": hotel["address"],
+        "address": address,
         "nights": nights,
         "rooms": rooms,
         "guest": a.opt_str("guest"),
         "total_price": from_cents(total),
     });
-    store.put_doc("hotels", hotel_id, &hotel)?;
-    store.put_doc("hotel_bookings", &id, &booking)?;
-    Ok(confirmation(&booking))
+    let output = confirmation(&booking);
+    docs.create("hotel_bookings", &id, booking)?;
+    docs.flush()?;
+    Ok(output)
 }
 
 fn confirmation(booking: &Value) -> Value {
@@ -105,19 +111,16 @@ fn confirmation(booking: &Value) -> Value {
 
 fn cancel(store: &mut dyn Store, args: &Value) -> Result<Value, ToolError> {
     let id = undo_target(args, "confirmationNumber", "H")?;
-    let Some(booking) = store.doc("hotel_bookings", &id)? else {
+    let mut docs = Docs::new(store, false);
+    let Some(booking) = docs.load("hotel_bookings", &id)? else {
         return Ok(nothing_to_undo(&id));
     };
     let hotel_id = booking["hotel_id"].as_str().unwrap_or_default();
     let rooms = count_of(&booking, "rooms");
-    if let Some(mut hotel) = store.doc("hotels", hotel_id)? {
-        for night in booking["nights"].as_array().into_iter().flatten().filter_map(Value::as_str) {
-            if let Some(day) = hotel["dates"].get_mut(night) {
-                day["rooms_available"] = json!(count_of(day, "rooms_available") + rooms);
-            }
-        }
-        store.put_doc("hotels", hotel_id, &hotel)?;
+    for night in booking["nights"].as_array().into_iter().flatten().filter_map(Value::as_str) {
+        docs.add_to_count("hotels", hotel_id, &["dates", night, "rooms_available"], rooms)?;
     }
-    store.delete("hotel_bookings", &id)?;
+    docs.remove("hotel_bookings", &id)?;
+    docs.flush()?;
     Ok(json!({ "undone": true, "id": id }))
 }

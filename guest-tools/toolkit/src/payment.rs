@@ -9,6 +9,7 @@ use crate::common::{
     Args, Context, Plugin, Store, StoreExt, ToolError, ToolSpec, compensator_schema, from_cents, nothing_to_undo,
     record_id, to_cents, undo_target, unknown_tool,
 };
+use crate::docs::Docs;
 
 pub struct Payment;
 
@@ -63,18 +64,21 @@ fn charge(store: &mut dyn Store, args: &Value, ctx: &Context) -> Result<Value, T
     let method_id = a.str("payment_method_id")?;
     let amount = a.cents("amount")?;
     let id = record_id("P", &ctx.idempotency_key);
-    if let Some(existing) = store.doc("payments", &id)? {
+    // The user stays text: the payment method is read and its funds replaced in place.
+    let mut docs = Docs::new(store, false);
+    if let Some(existing) = docs.load("payments", &id)? {
         return Ok(receipt(&existing));
     }
-
-    let mut user = store.existing("users", user_id, "user")?;
-    let method = user["payment_methods"]
-        .get_mut(method_id)
+    if !docs.exists("users", user_id)? {
+        return Err(ToolError::Rejected(format!("no user '{user_id}'")));
+    }
+    let method = docs
+        .at("users", user_id, &["payment_methods", method_id])?
         .ok_or_else(|| ToolError::Rejected(format!("user {user_id} has no payment method '{method_id}'")))?;
     if method["status"] == "blocked" {
         return Err(ToolError::Rejected(format!("payment declined: {method_id} is blocked")));
     }
-    let field = funds_field(method);
+    let field = funds_field(&method);
     if let Some(field) = field {
         let funds = to_cents(&method[field]).unwrap_or(0);
         if funds < amount {
@@ -84,7 +88,7 @@ fn charge(store: &mut dyn Store, args: &Value, ctx: &Context) -> Result<Value, T
                 from_cents(amount)
             )));
         }
-        method[field] = from_cents(funds - amount);
+        docs.set("users", user_id, &["payment_methods", method_id, field], Some(from_cents(funds - amount)))?;
     }
     let payment = json!({
         "payment_id": id,
@@ -95,10 +99,11 @@ fn charge(store: &mut dyn Store, args: &Value, ctx: &Context) -> Result<Value, T
         "reference": a.opt_str("reference"),
         "status": "charged",
     });
-    store.put_doc("users", user_id, &user)?;
-    store.put_doc("payments", &id, &payment)?;
-    store.put_doc("payment_ledger", &format!("{id}:charge"), &ledger_entry(&payment, "charge", ctx))?;
-    Ok(receipt(&payment))
+    let (output, entry) = (receipt(&payment), ledger_entry(&payment, "charge", ctx));
+    docs.create("payments", &id, payment)?;
+    docs.flush()?;
+    store.put_doc("payment_ledger", &format!("{id}:charge"), &entry)?;
+    Ok(output)
 }
 
 fn receipt(payment: &Value) -> Value {
@@ -124,19 +129,61 @@ fn ledger_entry(payment: &Value, kind: &str, ctx: &Context) -> Value {
 
 fn refund(store: &mut dyn Store, args: &Value, ctx: &Context) -> Result<Value, ToolError> {
     let id = undo_target(args, "payment_id", "P")?;
-    let Some(payment) = store.doc("payments", &id)? else {
+    let mut docs = Docs::new(store, false);
+    let Some(payment) = docs.load("payments", &id)? else {
         return Ok(nothing_to_undo(&id));
     };
     let user_id = payment["user_id"].as_str().unwrap_or_default();
     let method_id = payment["payment_method_id"].as_str().unwrap_or_default();
-    if let (Some(field), Some(mut user)) = (payment["funds_field"].as_str(), store.doc("users", user_id)?)
-        && let Some(method) = user["payment_methods"].get_mut(method_id)
-    {
-        let funds = to_cents(&method[field]).unwrap_or(0);
-        method[field] = from_cents(funds + to_cents(&payment["amount"]).unwrap_or(0));
-        store.put_doc("users", user_id, &user)?;
+    if let Some(field) = payment["funds_field"].as_str() {
+        // Nothing is put back when the user or the payment method is gone.
+        let path = ["payment_methods", method_id, field];
+        let funds = docs.at("users", user_id, &path)?.as_ref().and_then(to_cents).unwrap_or(0);
+        let refunded = from_cents(funds + to_cents(&payment["amount"]).unwrap_or(0));
+        docs.set("users", user_id, &path, Some(refunded))?;
     }
-    store.delete("payments", &id)?;
+    docs.remove("payments", &id)?;
+    docs.flush()?;
     store.put_doc("payment_ledger", &format!("{id}:refund"), &ledger_entry(&payment, "refund", ctx))?;
     Ok(json!({ "undone": true, "id": id }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MapStore;
+
+    const USER: &str = r#"{"payment_methods":{"card":{"available_credit":100,"source":"credit_card"},"gift":{"amount":50,"source":"gift_card"}},"user_id":"mia"}"#;
+
+    fn call(store: &mut MapStore, tool: &str, args: Value, key: &str) -> Result<Value, ToolError> {
+        let ctx = Context { idempotency_key: key.into(), ..Context::default() };
+        Payment::call(store, tool, &args, &ctx)
+    }
+
+    /// A charge moves one balance in the user's text; its refund restores the user byte for
+    /// byte and leaves both entries in the ledger.
+    #[test]
+    fn a_charge_and_its_refund_move_one_balance_and_restore_every_byte() {
+        let mut store = MapStore::default();
+        store.put("users", "mia", USER).unwrap();
+        let charge = json!({"user_id": "mia", "payment_method_id": "gift", "amount": 12.25});
+        let paid = call(&mut store, "charge", charge, "k1").unwrap();
+        assert_eq!(
+            store.get("users", "mia").unwrap().unwrap(),
+            USER.replacen(r#""amount":50"#, r#""amount":37.75"#, 1)
+        );
+        let declined = json!({"user_id": "mia", "payment_method_id": "gift", "amount": 40});
+        match call(&mut store, "charge", declined, "k2") {
+            Err(ToolError::Rejected(message)) => {
+                assert!(message.contains("gift has 37.75 left, 40 asked"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let refund = json!({"payment_id": paid["payment_id"]});
+        assert_eq!(call(&mut store, "refund", refund, "k3").unwrap()["undone"], true);
+        assert_eq!(store.get("users", "mia").unwrap().unwrap(), USER);
+        let id = paid["payment_id"].as_str().unwrap();
+        assert_eq!(store.list("payment_ledger", "").unwrap(), [format!("{id}:charge"), format!("{id}:refund")]);
+        assert_eq!(store.get("payments", id).unwrap(), None);
+    }
 }
