@@ -213,14 +213,10 @@ fn link_user(docs: &mut Docs<'_>, user_id: &str, id: &str, add: bool) -> Result<
 mod tests {
     use super::*;
     use crate::MapStore;
+    use crate::common::call_with_key;
 
     const FLIGHT: &str = r#"{"dates":{"2024-05-16":{"available_seats":{"business":2,"economy":9},"prices":{"business":912,"economy":238.5},"status":"available"},"2024-05-17":{"available_seats":{"economy":3},"prices":{"economy":250},"status":"available"}},"destination":"JFK","origin":"SFO","scheduled_arrival_time_est":"14:30:00"}"#;
     const USER: &str = r#"{"name":"Mia","reservations":["4WQ150"],"user_id":"mia"}"#;
-
-    fn call(store: &mut MapStore, tool: &str, args: Value, key: &str) -> Result<Value, ToolError> {
-        let ctx = Context { idempotency_key: key.into(), ..Context::default() };
-        Airline::call(store, tool, &args, &ctx)
-    }
 
     /// A booking changes the text of the flight only where its seat count is, and its cancel
     /// gives back the flight and the user byte for byte.
@@ -231,7 +227,7 @@ mod tests {
         store.put("users", "mia", USER).unwrap();
         let start = store.clone();
         let args = json!({"flight_number": "HAT001", "date": "2024-05-16", "passengers": 2, "user_id": "mia"});
-        let booked = call(&mut store, "book", args.clone(), "k1").unwrap();
+        let booked = call_with_key::<Airline>(&mut store, "book", args.clone(), "k1").unwrap();
         assert_eq!(booked["total_price"], json!(477));
         let flight = store.get("flights", "HAT001").unwrap().unwrap();
         assert_eq!(flight, FLIGHT.replacen(r#""economy":9"#, r#""economy":7"#, 1));
@@ -242,13 +238,13 @@ mod tests {
         assert_eq!((reservation["origin"].clone(), reservation["cabin"].clone()), (json!("SFO"), json!("economy")));
         assert_eq!(reservation["arrival_time"], "2024-05-16T14:30:00");
         // A second delivery replays the first one.
-        assert_eq!(call(&mut store, "book", args, "k1").unwrap(), booked);
+        assert_eq!(call_with_key::<Airline>(&mut store, "book", args, "k1").unwrap(), booked);
         assert_eq!(store.get("flights", "HAT001").unwrap().unwrap(), flight);
 
         let cancel = json!({"confirmationNumber": booked["confirmationNumber"]});
-        assert_eq!(call(&mut store, "cancel", cancel.clone(), "k2").unwrap()["undone"], true);
+        assert_eq!(call_with_key::<Airline>(&mut store, "cancel", cancel.clone(), "k2").unwrap()["undone"], true);
         assert_eq!(store.0, start.0);
-        assert_eq!(call(&mut store, "cancel", cancel, "k3").unwrap()["reason"], "nothing to undo");
+        assert_eq!(call_with_key::<Airline>(&mut store, "cancel", cancel, "k3").unwrap()["reason"], "nothing to undo");
     }
 
     #[test]
@@ -263,7 +259,7 @@ mod tests {
             (json!({"flight_number": "HAT001", "date": "2024-05-17", "cabin": "business"}), "0 business seats"),
         ];
         for (args, why) in refusals {
-            match call(&mut store, "book", args.clone(), "k") {
+            match call_with_key::<Airline>(&mut store, "book", args.clone(), "k") {
                 Err(ToolError::Rejected(message)) => assert!(message.contains(why), "{args}: {message}"),
                 other => panic!("{args}: {other:?}"),
             }

@@ -174,6 +174,18 @@ pub trait Plugin {
     fn call(store: &mut dyn Store, tool: &str, args: &Value, ctx: &Context) -> Result<Value, ToolError>;
 }
 
+/// Calls `tool` of plugin `P` on `store` with the idempotency key `key` (the tools' tests).
+#[cfg(test)]
+pub(crate) fn call_with_key<P: Plugin>(
+    store: &mut dyn Store,
+    tool: &str,
+    args: Value,
+    key: &str,
+) -> Result<Value, ToolError> {
+    let ctx = Context { idempotency_key: key.into(), ..Context::default() };
+    P::call(store, tool, &args, &ctx)
+}
+
 /// The error for a tool name the plugin does not have.
 pub(crate) fn unknown_tool(tool: &str) -> ToolError {
     ToolError::InvalidInput(format!("no tool named '{tool}'"))

@@ -152,13 +152,9 @@ fn refund(store: &mut dyn Store, args: &Value, ctx: &Context) -> Result<Value, T
 mod tests {
     use super::*;
     use crate::MapStore;
+    use crate::common::call_with_key;
 
     const USER: &str = r#"{"payment_methods":{"card":{"available_credit":100,"source":"credit_card"},"gift":{"amount":50,"source":"gift_card"}},"user_id":"mia"}"#;
-
-    fn call(store: &mut MapStore, tool: &str, args: Value, key: &str) -> Result<Value, ToolError> {
-        let ctx = Context { idempotency_key: key.into(), ..Context::default() };
-        Payment::call(store, tool, &args, &ctx)
-    }
 
     /// A charge moves one balance in the user's text; its refund restores the user byte for
     /// byte and leaves both entries in the ledger.
@@ -167,20 +163,20 @@ mod tests {
         let mut store = MapStore::default();
         store.put("users", "mia", USER).unwrap();
         let charge = json!({"user_id": "mia", "payment_method_id": "gift", "amount": 12.25});
-        let paid = call(&mut store, "charge", charge, "k1").unwrap();
+        let paid = call_with_key::<Payment>(&mut store, "charge", charge, "k1").unwrap();
         assert_eq!(
             store.get("users", "mia").unwrap().unwrap(),
             USER.replacen(r#""amount":50"#, r#""amount":37.75"#, 1)
         );
         let declined = json!({"user_id": "mia", "payment_method_id": "gift", "amount": 40});
-        match call(&mut store, "charge", declined, "k2") {
+        match call_with_key::<Payment>(&mut store, "charge", declined, "k2") {
             Err(ToolError::Rejected(message)) => {
                 assert!(message.contains("gift has 37.75 left, 40 asked"), "{message}")
             }
             other => panic!("{other:?}"),
         }
         let refund = json!({"payment_id": paid["payment_id"]});
-        assert_eq!(call(&mut store, "refund", refund, "k3").unwrap()["undone"], true);
+        assert_eq!(call_with_key::<Payment>(&mut store, "refund", refund, "k3").unwrap()["undone"], true);
         assert_eq!(store.get("users", "mia").unwrap().unwrap(), USER);
         let id = paid["payment_id"].as_str().unwrap();
         assert_eq!(store.list("payment_ledger", "").unwrap(), [format!("{id}:charge"), format!("{id}:refund")]);
