@@ -247,6 +247,25 @@ mod tests {
         assert_eq!(call_with_key::<Airline>(&mut store, "cancel", cancel, "k3").unwrap()["reason"], "nothing to undo");
     }
 
+    /// A booking and its cancel read only the day they move seats on: another day nested past
+    /// what a JSON parser takes (serde_json stops at 128 levels) is carried over untouched.
+    /// Parsing the flight whole, as the tools did before, fails on it.
+    #[test]
+    fn a_booking_and_its_cancel_parse_only_the_day_they_touch() {
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        let flight = FLIGHT.replacen(r#""2024-05-17":"#, &format!(r#""2024-05-15":{deep},"2024-05-17":"#), 1);
+        let mut store = MapStore::default();
+        store.put("flights", "HAT001", &flight).unwrap();
+        let start = store.clone();
+        let args = json!({"flight_number": "HAT001", "date": "2024-05-16"});
+        let booked = call_with_key::<Airline>(&mut store, "book", args, "k1").unwrap();
+        let moved = flight.replacen(r#""economy":9"#, r#""economy":8"#, 1);
+        assert_eq!(store.get("flights", "HAT001").unwrap().unwrap(), moved);
+        let cancel = json!({"confirmationNumber": booked["confirmationNumber"]});
+        call_with_key::<Airline>(&mut store, "cancel", cancel, "k2").unwrap();
+        assert_eq!(store.0, start.0);
+    }
+
     #[test]
     fn a_booking_is_refused_without_a_change_when_the_day_cannot_take_it() {
         let mut store = MapStore::default();
