@@ -766,7 +766,7 @@ async fn a_failed_compensation_leaves_the_steps_it_depends_on_in_place() {
     assert_eq!(report.step("parent").unwrap().status, StepStatus::Completed);
     assert_eq!(report.step("parent").unwrap().compensation_attempts, 0);
     let pool = report.residue.iter().find(|c| c.namespace == "pools").expect("the pool is residue");
-    assert_eq!(pool.after.as_ref().unwrap()["allocated"], 8);
+    assert_eq!(pool.after.as_ref().unwrap().parse().unwrap()["allocated"], 8);
 }
 
 /// A backend that dies after `commits` commits: later commits and records fail, as if the
@@ -942,8 +942,8 @@ async fn residue_counts_every_life_of_a_run_and_none_of_another_runs_writes() {
     assert_eq!(report.status, Status::CompensationFailed, "{:?}", report.error);
     let pool = report.residue.iter().find(|c| c.namespace == "pools").expect("the pool is residue");
     // This run took 5 + 3 of the 10 allocated now; the other run's 2 are not its residue.
-    assert_eq!(pool.before.as_ref().unwrap()["allocated"], 2, "{pool:?}");
-    assert_eq!(pool.after.as_ref().unwrap()["allocated"], 10, "{pool:?}");
+    assert_eq!(pool.before.as_ref().unwrap().parse().unwrap()["allocated"], 2, "{pool:?}");
+    assert_eq!(pool.after.as_ref().unwrap().parse().unwrap()["allocated"], 10, "{pool:?}");
     let allocations = report.residue.iter().filter(|c| c.namespace == "allocations").count();
     assert_eq!(allocations, 2, "a1's and a2's allocations, not b's: {:?}", report.residue);
 }

@@ -192,6 +192,43 @@ fn normalize_numbers(value: &mut Value) {
     }
 }
 
+/// A stored document as its canonical text, shared with the store rather than parsed: a run
+/// report names every document its run changed, and most reports are read only for which.
+/// It serializes as the JSON it holds (an object, not a string of one).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DocText(std::sync::Arc<str>);
+
+impl DocText {
+    /// `text` must be canonical JSON, as the store keeps it.
+    pub fn new(text: impl Into<std::sync::Arc<str>>) -> DocText {
+        DocText(text.into())
+    }
+
+    pub fn text(&self) -> &str {
+        &self.0
+    }
+
+    /// The document as a tree.
+    pub fn parse(&self) -> Result<Value, serde_json::Error> {
+        serde_json::from_str(&self.0)
+    }
+}
+
+impl serde::Serialize for DocText {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        // Validated without building a tree (serde_json skips nesting without recursing).
+        let raw: &serde_json::value::RawValue = serde_json::from_str(&self.0).map_err(serde::ser::Error::custom)?;
+        raw.serialize(serializer)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for DocText {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<DocText, D::Error> {
+        let raw = Box::<serde_json::value::RawValue>::deserialize(deserializer)?;
+        Ok(DocText(std::sync::Arc::from(raw.get())))
+    }
+}
+
 /// Lower-case hex SHA-256 of `bytes`.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     hex::encode(Sha256::digest(bytes))
@@ -220,6 +257,20 @@ mod tests {
     #[test]
     fn strings_are_escaped() {
         assert_eq!(canonical(&json!({"k\"": "a\nb"})), r#"{"k\"":"a\nb"}"#);
+    }
+
+    #[test]
+    fn a_doc_text_is_written_as_the_json_it_holds_and_read_back_from_text_or_a_tree() {
+        let doc = DocText::new(r#"{"a":[1,{"b":"x\"y"}],"n":2.5}"#);
+        let report = json!({ "after": doc });
+        assert_eq!(report, json!({ "after": { "a": [1, { "b": "x\"y" }], "n": 2.5 } }));
+        assert_eq!(serde_json::to_string(&doc).unwrap(), doc.text());
+        assert_eq!(serde_json::from_str::<DocText>(doc.text()).unwrap(), doc);
+        assert_eq!(serde_json::from_value::<DocText>(report["after"].clone()).unwrap(), doc);
+        assert_eq!(doc.parse().unwrap()["n"], 2.5);
+        // Deeper than serde_json builds a tree: still written out whole.
+        let deep = DocText::new(format!("{}{}", "[".repeat(300), "]".repeat(300)));
+        assert_eq!(serde_json::to_string(&deep).unwrap(), deep.text());
     }
 
     #[test]

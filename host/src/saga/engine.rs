@@ -30,6 +30,7 @@ use super::plan::{Plan, PlannedStep, merge_args};
 use super::report::{CompensationFailure, NetChange, RunReport, Status, StepReport, StepStatus};
 use crate::backend::{Backend, CommitError};
 use crate::ids::idempotency_key;
+use crate::json::DocText;
 use crate::runtime::{
     CallContext, CallError, CallFailure, CallOptions, CommitAttempt, FailureKind, InjectedFault, Runtime,
 };
@@ -1092,7 +1093,6 @@ impl<'a> Run<'a> {
         let now = self.blocking(|| self.backend.snapshot());
         let events = lock(&self.events);
         let by_doc = super::journal::writes_by_document(&events);
-        let parse = |text: Option<&str>| text.map(|t| serde_json::from_str(t).unwrap_or(Value::Null));
         let changes: Vec<NetChange> = by_doc
             .into_iter()
             .filter_map(|((ns, key), writes)| {
@@ -1110,8 +1110,8 @@ impl<'a> Run<'a> {
                     namespace: ns.to_string(),
                     key: key.to_string(),
                     change: change.into(),
-                    before: parse(before.as_deref()),
-                    after: parse(after.as_deref()),
+                    before: before.map(DocText::new),
+                    after: after.map(DocText::new),
                 })
             })
             .collect();

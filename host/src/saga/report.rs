@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::journal::{ErrorInfo, Event};
+use crate::json::DocText;
 
 /// How a run ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -99,8 +100,8 @@ pub struct NetChange {
     pub key: String,
     /// `added`, `removed` or `changed`.
     pub change: String,
-    pub before: Option<Value>,
-    pub after: Option<Value>,
+    pub before: Option<DocText>,
+    pub after: Option<DocText>,
 }
 
 /// The full account of a run.

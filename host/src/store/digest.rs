@@ -25,7 +25,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-use super::{Namespace, State};
+use super::{Doc, Namespace, State};
 
 /// Hex digests of a state: overall and per namespace.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -168,42 +168,73 @@ pub type Diff = Vec<DiffEntry>;
 
 /// The documents that differ from `before` to `after`, skipping namespaces in `excluded`.
 pub fn diff(before: &State, after: &State, excluded: &[String]) -> Diff {
-    let parse = |text: &str| serde_json::from_str::<Value>(text).unwrap_or(Value::Null);
+    let parse = |doc: Option<&Doc>| doc.map(|d| serde_json::from_str::<Value>(&d.text).unwrap_or(Value::Null));
+    let mut entries = Vec::new();
+    each_changed_doc(
+        before,
+        after,
+        |ns| !excluded.iter().any(|e| e == ns),
+        |ns, key, change, a, b| {
+            let (before, after) = (parse(a), parse(b));
+            let mut fields = Vec::new();
+            if let (Some(x), Some(y)) = (&before, &after) {
+                changed_fields(x, y, String::new(), &mut fields);
+            }
+            entries.push(DiffEntry {
+                namespace: ns.to_string(),
+                key: key.to_string(),
+                change: change.into(),
+                fields,
+                before,
+                after,
+            });
+        },
+    );
+    entries
+}
+
+/// The documents of the namespaces in `only` that differ from `before` to `after`, as
+/// `(namespace, key, change)`: what [`diff`] finds there, without reading the documents.
+pub fn changed_keys(before: &State, after: &State, only: &[String]) -> Vec<(String, String, &'static str)> {
+    let mut keys = Vec::new();
+    each_changed_doc(
+        before,
+        after,
+        |ns| only.iter().any(|o| o == ns),
+        |ns, key, change, _, _| {
+            keys.push((ns.to_string(), key.to_string(), change));
+        },
+    );
+    keys
+}
+
+/// Calls `found(namespace, key, change, before, after)` for every document that differs,
+/// in namespace and key order, in the namespaces `wanted` accepts.
+fn each_changed_doc(
+    before: &State,
+    after: &State,
+    wanted: impl Fn(&str) -> bool,
+    mut found: impl FnMut(&str, &str, &'static str, Option<&Doc>, Option<&Doc>),
+) {
     let mut names: Vec<&String> = before.namespaces().map(|(n, _)| n).collect();
     names.extend(after.namespaces().map(|(n, _)| n));
     names.sort();
     names.dedup();
     let empty = Namespace::default();
-    let mut entries = Vec::new();
-    for ns in names.into_iter().filter(|ns| !excluded.contains(ns)) {
+    for ns in names.into_iter().filter(|ns| wanted(ns)) {
         let (old, new) = (before.namespace(ns).unwrap_or(&empty), after.namespace(ns).unwrap_or(&empty));
         if old.digest() == new.digest() {
             continue;
         }
         // imbl skips the subtrees both versions share: O(what changed), not O(size).
         for item in old.docs.diff(&new.docs) {
-            let (key, a, b, change) = match item {
-                DiffItem::Update { old: (key, a), new: (_, b) } => (key, Some(a), Some(b), "changed"),
-                DiffItem::Remove(key, a) => (key, Some(a), None, "removed"),
-                DiffItem::Add(key, b) => (key, None, Some(b), "added"),
-            };
-            let before = a.map(|d| parse(&d.text));
-            let after = b.map(|d| parse(&d.text));
-            let mut fields = Vec::new();
-            if let (Some(x), Some(y)) = (&before, &after) {
-                changed_fields(x, y, String::new(), &mut fields);
+            match item {
+                DiffItem::Update { old: (key, a), new: (_, b) } => found(ns, key, "changed", Some(a), Some(b)),
+                DiffItem::Remove(key, a) => found(ns, key, "removed", Some(a), None),
+                DiffItem::Add(key, b) => found(ns, key, "added", None, Some(b)),
             }
-            entries.push(DiffEntry {
-                namespace: ns.clone(),
-                key: key.clone(),
-                change: change.into(),
-                fields,
-                before,
-                after,
-            });
         }
     }
-    entries
 }
 
 /// JSON pointers of the leaves (or type changes) where `a` and `b` differ.
@@ -340,7 +371,13 @@ mod tests {
             };
             let listed: Vec<(String, String)> =
                 diff(&initial, &after, &[]).into_iter().map(|d| (d.namespace, d.key)).collect();
-            proptest::prop_assert_eq!(listed, expected);
+            proptest::prop_assert_eq!(&listed, &expected);
+            // changed_keys lists the same documents of the namespaces asked for, unread.
+            let only = ["ns0".to_string(), "ns2".to_string()];
+            let keys: Vec<(String, String)> =
+                changed_keys(&initial, &after, &only).into_iter().map(|(ns, key, _)| (ns, key)).collect();
+            let wanted: Vec<(String, String)> = expected.into_iter().filter(|(ns, _)| only.contains(ns)).collect();
+            proptest::prop_assert_eq!(keys, wanted);
         }
     }
 
@@ -358,6 +395,10 @@ mod tests {
         assert_eq!(d[0].fields, ["/dates/2024-05-16/seats"]);
         assert_eq!((d[1].namespace.as_str(), &*d[1].change), ("reservations", "added"));
         assert!(diff(&initial, &store.snapshot(), &["flights".into(), "reservations".into()]).is_empty());
+        assert_eq!(
+            changed_keys(&initial, &store.snapshot(), &["reservations".into(), "users".into()]),
+            [("reservations".to_string(), "R1".to_string(), "added")]
+        );
         assert_ne!(store.snapshot().digest_excluding(&["users".into()]), initial.digest_excluding(&["users".into()]));
     }
 }

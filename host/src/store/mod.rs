@@ -19,7 +19,7 @@ use imbl::OrdMap;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
-pub use digest::{Diff, DiffEntry, Digests, diff};
+pub use digest::{Diff, DiffEntry, Digests, changed_keys, diff};
 pub use txn::{Conflict, FieldIs, StoreCaps, Txn, TxnError, WriteQuota};
 
 /// One stored document.

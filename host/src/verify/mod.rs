@@ -25,7 +25,7 @@ pub use cases::{Case, Expect, FaultKind, Mode};
 use crate::backend::MemoryBackend;
 use crate::runtime::Runtime;
 use crate::saga::{self, FaultPlan, Phase, RunOptions, RunReport, Saga, Status, StepStatus};
-use crate::store::{DiffEntry, State, diff};
+use crate::store::{DiffEntry, State, changed_keys, diff};
 
 /// What a campaign runs.
 #[derive(Clone, Debug)]
@@ -777,10 +777,9 @@ fn judge(
             }
         }
     };
-    let ledger_changes = diff(initial, state, &[])
+    let ledger_changes = changed_keys(initial, state, ledgers)
         .into_iter()
-        .filter(|d| ledgers.contains(&d.namespace))
-        .map(|d| format!("{} {}/{}", d.change, d.namespace, d.key))
+        .map(|(namespace, key, change)| format!("{change} {namespace}/{key}"))
         .collect();
     let (verdict, reason) = match result {
         Ok(reason) => (Verdict::Pass, reason),
