@@ -9,6 +9,7 @@
 
 mod digest;
 pub mod fixture;
+mod found;
 pub mod generate;
 mod txn;
 pub mod undo;
@@ -58,6 +59,8 @@ pub struct Namespace {
     /// Its documents' hashes by digest bucket, indexed by the first digest and kept up to
     /// date by writes after it (see `digest`).
     buckets: OnceLock<digest::Buckets>,
+    /// Finds answered on these documents, forgotten by a write (see `found`).
+    finds: found::Memo,
 }
 
 impl Namespace {
@@ -211,6 +214,7 @@ impl State {
             let namespace = self.namespaces.entry(ns.to_string()).or_default();
             let doc = text.map(|text| Doc::new(text.clone(), version));
             namespace.forget_digest(key, doc.as_ref().map(|d| d.hash));
+            namespace.finds = found::Memo::default();
             let existed = match doc {
                 Some(doc) => namespace.docs.insert(key.to_string(), doc).is_some(),
                 None => namespace.docs.remove(key).is_some(),

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use super::found::{Answer, Question};
 use super::{Change, Namespace, State};
 
 /// How much one call may write, so that a plugin cannot grow host memory through the store.
@@ -286,19 +287,46 @@ impl Txn {
             return Err(cap("find conditions", limit, format!("a find in {ns} with {} conditions", conditions.len())));
         }
         let tests = conditions.iter().map(|c| self.test(ns, c)).collect::<Result<Vec<_>, _>>()?;
-        let mut found = Vec::new();
-        for (looked_at, (key, text)) in self.range(ns, prefix).enumerate() {
-            if looked_at == self.caps.listed_keys {
-                return Err(self.listing_cap(ns, prefix));
+        // The namespace's memo answers only for its own documents: not over this call's writes.
+        let memo = self.base.namespace(ns).filter(|_| self.writes.with_prefix(ns, prefix).next().is_none());
+        let question = memo.map(|_| Question {
+            prefix: prefix.to_string(),
+            conditions: tests.iter().map(|t| FieldIs { path: t.path.to_vec(), value: t.value.clone() }).collect(),
+        });
+        let kept = memo.zip(question.as_ref()).and_then(|(n, q)| n.finds.get(q));
+        let answer = match kept {
+            Some(answer) => answer,
+            None => {
+                let answer = Arc::new(self.scan(ns, prefix, &tests));
+                // Only a whole range is kept: a call with a larger cap must not get a cut one.
+                let whole = answer.looked_at <= self.caps.listed_keys;
+                if let (Some(namespace), Some(question), true) = (memo, question, whole) {
+                    namespace.finds.keep(question, answer.clone());
+                }
+                answer
             }
-            if tests.iter().all(|test| test.holds(text)) {
-                found.push((key.clone(), text.clone()));
-            }
+        };
+        if answer.looked_at > self.caps.listed_keys {
+            return Err(self.listing_cap(ns, prefix));
         }
+        let found = answer.found.clone();
         if !self.scanned.iter().any(|(n, p)| n == ns && prefix.starts_with(p.as_str())) {
             self.scanned.push((ns.to_string(), prefix.to_string()));
         }
         Ok(found)
+    }
+
+    /// The documents of `ns` starting with `prefix` that pass every test, reading at most one
+    /// more than the listing cap allows.
+    fn scan(&self, ns: &str, prefix: &str, tests: &[Test<'_>]) -> Answer {
+        let mut answer = Answer { looked_at: 0, found: Vec::new() };
+        for (key, text) in self.range(ns, prefix).take(self.caps.listed_keys.saturating_add(1)) {
+            answer.looked_at += 1;
+            if tests.iter().all(|test| test.holds(text)) {
+                answer.found.push((key.clone(), text.clone()));
+            }
+        }
+        answer
     }
 
     /// The documents of `ns` whose keys start with `prefix`, in key order, as this call sees
@@ -624,6 +652,33 @@ mod tests {
         assert!(matches!(e, TxnError::CapExceeded { cap: "find conditions", .. }), "{e}");
         let allowed = &many[..StoreCaps::default().find_conditions];
         assert_eq!(keys(long.try_find("flights", "", allowed).unwrap()), ["A1", "A2", "B1"]);
+    }
+
+    /// A find's answer is kept with the namespace it read (see `found`): a commit that
+    /// writes the namespace, the call's own writes, or other caps must not be answered
+    /// from it.
+    #[test]
+    fn a_kept_find_answers_only_for_the_documents_it_read() {
+        let store = flights();
+        let sfo = [is(&["origin"], r#""SFO""#)];
+        let find = |state: &State, caps: StoreCaps| {
+            Txn::new(state.clone(), WriteQuota::default()).with_caps(caps).try_find("flights", "", &sfo).map(keys)
+        };
+        let before = store.snapshot();
+        // A find cut short by a small cap is not kept for a call that may read more.
+        let two = StoreCaps { listed_keys: 2, ..StoreCaps::default() };
+        assert!(matches!(find(&before, two), Err(TxnError::CapExceeded { cap: "list size", .. })));
+        assert_eq!(find(&before, StoreCaps::default()).unwrap(), ["A1", "A3", "B1"]);
+        // A kept answer over more documents than a call's cap still refuses that call.
+        assert!(matches!(find(&before, two), Err(TxnError::CapExceeded { cap: "list size", .. })));
+        let mut txn = Txn::new(store.snapshot(), WriteQuota::default());
+        txn.put("flights", "A2", r#"{"origin":"SFO"}"#).unwrap();
+        store.commit(&txn).unwrap();
+        assert_eq!(find(&store.snapshot(), StoreCaps::default()).unwrap(), ["A1", "A2", "A3", "B1"]);
+        assert_eq!(find(&before, StoreCaps::default()).unwrap(), ["A1", "A3", "B1"], "the older copy is unchanged");
+        let mut own = Txn::new(before.clone(), WriteQuota::default());
+        own.delete("flights", "B1").unwrap();
+        assert_eq!(keys(own.try_find("flights", "", &sfo).unwrap()), ["A1", "A3"]);
     }
 
     #[test]
