@@ -24,11 +24,13 @@ pub fn canonical(value: &Value) -> String {
 /// Parses `text` and returns its canonical form.
 pub fn canonicalize(text: &str) -> Result<String, serde_json::Error> {
     // Tools mostly write what a serializer with sorted maps produced: checking that costs one
-    // scan, where parsing and printing again builds and frees a tree.
-    if is_canonical(text) {
-        return Ok(text.to_owned());
+    // scan, where parsing and printing again builds and frees a tree. A number written
+    // otherwise than canonically (Python's `71.0` for a whole amount) is rewritten in place.
+    match scan(text) {
+        Some(fixes) if fixes.is_empty() => Ok(text.to_owned()),
+        Some(fixes) => Ok(splice(text, &fixes)),
+        None => reprint(text),
     }
-    reprint(text)
 }
 
 /// Parses `text` and prints it canonically: what `canonicalize` means.
@@ -41,17 +43,40 @@ fn reprint(text: &str) -> Result<String, serde_json::Error> {
 /// Nesting deeper than this is left to the parser (which refuses past 128 levels).
 const MAX_SCANNED_DEPTH: usize = 64;
 
-/// Whether `text` is already canonical, checked in one pass that builds nothing. `false`
-/// means only "not proven": escapes, unsorted keys, white space, a rewritten number or
+/// A number to rewrite: its byte range in the text and its canonical form.
+type Fix = (std::ops::Range<usize>, String);
+
+/// Whether `text` is canonical but for the numbers to rewrite, checked in one pass that
+/// builds nothing. `None` means only "not proven": escapes, unsorted keys, white space or
 /// invalid JSON all go to [`reprint`], which decides.
+fn scan(text: &str) -> Option<Vec<Fix>> {
+    let mut scan = Scanner { bytes: text.as_bytes(), at: 0, fixes: Vec::new() };
+    (scan.value(0) && scan.at == scan.bytes.len()).then_some(scan.fixes)
+}
+
+/// Whether `text` is already canonical.
+#[cfg(test)]
 fn is_canonical(text: &str) -> bool {
-    let mut scan = Scanner { bytes: text.as_bytes(), at: 0 };
-    scan.value(0) && scan.at == scan.bytes.len()
+    scan(text).is_some_and(|fixes| fixes.is_empty())
+}
+
+/// `text` with each fixed range replaced (the fixes in text order).
+fn splice(text: &str, fixes: &[Fix]) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut from = 0;
+    for (range, number) in fixes {
+        out.push_str(&text[from..range.start]);
+        out.push_str(number);
+        from = range.end;
+    }
+    out.push_str(&text[from..]);
+    out
 }
 
 struct Scanner<'a> {
     bytes: &'a [u8],
     at: usize,
+    fixes: Vec<Fix>,
 }
 
 impl<'a> Scanner<'a> {
@@ -140,7 +165,10 @@ impl<'a> Scanner<'a> {
     }
 
     /// An integer the parse reads into an i64 or u64 prints as written, unless it has a
-    /// leading zero or is `-0`; any other number is canonical if printing it again gives it back.
+    /// leading zero or is `-0`; any other number is canonical if printing it again gives it
+    /// back, and is noted for rewriting if that gives another valid number. A number's
+    /// canonical form does not depend on where it stands, so rewriting it alone is what a
+    /// parse and print of the whole document does to it.
     fn number(&mut self) -> bool {
         let start = self.at;
         let length =
@@ -153,9 +181,18 @@ impl<'a> Scanner<'a> {
         if plain {
             let leading_zero = digits.len() > 1 && digits.starts_with('0');
             let fits = if token.starts_with('-') { token.parse::<i64>().is_ok() } else { token.parse::<u64>().is_ok() };
-            return fits && !leading_zero && token != "-0";
+            if fits && !leading_zero && token != "-0" {
+                return true;
+            }
         }
-        reprint(token).is_ok_and(|printed| printed == token)
+        match reprint(token) {
+            Ok(printed) if printed == token => true,
+            Ok(printed) => {
+                self.fixes.push((start..self.at, printed));
+                true
+            }
+            Err(_) => false,
+        }
     }
 }
 
@@ -260,6 +297,18 @@ mod tests {
     }
 
     #[test]
+    fn numbers_printed_otherwise_are_rewritten_without_a_parse() {
+        let text = r#"{"a":71.0,"b":[1.50,2E2,-0,3],"c":"7.0"}"#;
+        let fixes = scan(text).expect("one scan suffices");
+        assert_eq!(fixes.len(), 4, "{fixes:?}");
+        assert_eq!(canonicalize(text).unwrap(), r#"{"a":71,"b":[1.5,200,0,3],"c":"7.0"}"#);
+        assert_eq!(canonicalize(text).unwrap(), reprint(text).unwrap());
+        for invalid in ["[01]", "[1.]", "[1e]", "[1-2]", "[1e400]"] {
+            assert!(scan(invalid).is_none() && canonicalize(invalid).is_err(), "{invalid}");
+        }
+    }
+
+    #[test]
     fn a_doc_text_is_written_as_the_json_it_holds_and_read_back_from_text_or_a_tree() {
         let doc = DocText::new(r#"{"a":[1,{"b":"x\"y"}],"n":2.5}"#);
         let report = json!({ "after": doc });
@@ -322,9 +371,13 @@ mod tests {
     /// JSON-ish texts: values printed canonically, pretty or with one character cut or
     /// added, and objects whose keys come in any order (repeats included).
     fn any_text() -> impl Strategy<Value = String> {
+        // Pretty, canonical, or compact as serde_json (and Python) print it: whole floats as `2.0`.
         let printed = || {
-            (any_value(), any::<bool>())
-                .prop_map(|(v, pretty)| if pretty { serde_json::to_string_pretty(&v).unwrap() } else { canonical(&v) })
+            (any_value(), 0..3u8).prop_map(|(v, how)| match how {
+                0 => serde_json::to_string_pretty(&v).unwrap(),
+                1 => canonical(&v),
+                _ => serde_json::to_string(&v).unwrap(),
+            })
         };
         let edited = (
             printed(),

@@ -113,7 +113,8 @@ pub struct Plugin {
     pub limits: Limits,
     pub compiled: CompileSource,
     pub tools: BTreeMap<String, Tool>,
-    pub(crate) wasm: Arc<[u8]>,
+    /// Kept to link it for another stack size; a bundled plugin's are the binary's own.
+    pub(crate) wasm: bytes::Bytes,
     pub(crate) grants: Arc<Grants>,
     /// Pre-linked instances, by wasm stack size (one engine per stack size).
     pub(crate) prepared: Mutex<HashMap<u64, PluginPre<CallState>>>,
@@ -171,7 +172,7 @@ impl Default for LoadCaps {
 pub(crate) struct Source {
     pub name: String,
     pub origin: Origin,
-    pub wasm: Arc<[u8]>,
+    pub wasm: bytes::Bytes,
     pub policy: Policy,
 }
 
@@ -184,7 +185,12 @@ impl Source {
             })?,
             None => Policy::default(),
         };
-        Ok(Source { name: plugin.name.to_string(), origin: Origin::Bundled, wasm: plugin.wasm.into(), policy })
+        Ok(Source {
+            name: plugin.name.to_string(),
+            origin: Origin::Bundled,
+            wasm: bytes::Bytes::from_static(plugin.wasm),
+            policy,
+        })
     }
 
     /// Reads `<dir>/<name>.wasm` and its policy `<dir>/<name>.policy.toml`, if any.
