@@ -621,6 +621,9 @@ impl<'a> Run<'a> {
             let ready: BTreeSet<usize> = (0..count).filter(|&i| !progress.is_done(i) && waiting[i] == 0).collect();
             (waiting, ready)
         };
+        // Boxed: FuturesUnordered keeps a spare task the size of its future type, so an
+        // unboxed step (a few KB with the call inside) costs a run twice that, held as long
+        // as the run lives (1,000 sessions waiting on calls hold 1,000 of them).
         let mut running = FuturesUnordered::new();
         loop {
             while running.len() < self.concurrency() && !self.stopping() {
@@ -629,7 +632,7 @@ impl<'a> Run<'a> {
                     lock(&self.progress).timed_out = true;
                     break;
                 }
-                running.push(async move { (i, self.forward_step(i).await) });
+                running.push(Box::pin(async move { (i, self.forward_step(i).await) }));
             }
             let Some((i, completed)) = running.next().await else { break };
             if completed {
@@ -973,7 +976,7 @@ impl<'a> Run<'a> {
                     release(*i, &mut waiting, &mut ready);
                     continue;
                 }
-                running.push(async move { (*i, self.compensate_step(*i, forward).await) });
+                running.push(Box::pin(async move { (*i, self.compensate_step(*i, forward).await) }));
             }
             let Some((i, result)) = running.next().await else { break };
             let step = steps.get(i);
