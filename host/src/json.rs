@@ -230,7 +230,7 @@ fn normalize_numbers(value: &mut Value) {
 }
 
 /// A stored document as its canonical text, shared with the store rather than parsed: a run
-/// report names every document its run changed, and most reports are read only for which.
+/// report carries every document its run changed, and most readers only need which ones.
 /// It serializes as the JSON it holds (an object, not a string of one).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DocText(std::sync::Arc<str>);

@@ -27,9 +27,12 @@ pub(super) struct Answer {
     pub found: Vec<(String, Arc<str>)>,
 }
 
-/// The finds answered on one version of a namespace.
+/// A question with its answer.
+type Answered = (Question, Arc<Answer>);
+
+/// The finds answered on one version of a namespace, oldest first.
 #[derive(Clone, Debug, Default)]
-pub(super) struct Memo(Arc<Mutex<Vec<(Question, Arc<Answer>)>>>);
+pub(super) struct Memo(Arc<Mutex<Vec<Answered>>>);
 
 impl Memo {
     pub fn get(&self, question: &Question) -> Option<Arc<Answer>> {
@@ -39,7 +42,7 @@ impl Memo {
 
     pub fn keep(&self, question: Question, answer: Arc<Answer>) {
         let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if kept.len() == KEPT {
+        if kept.len() >= KEPT {
             kept.remove(0);
         }
         kept.push((question, answer));
