@@ -12,6 +12,10 @@ use super::FieldIs;
 /// Finds kept per namespace; the oldest is forgotten past this.
 const KEPT: usize = 32;
 
+/// Matches an answer may hold to be kept: what a memo holds stays bounded (32 × 1,024 keys
+/// per namespace), and an answer that large costs more to copy to the plugin than to find.
+const KEPT_MATCHES: usize = 1024;
+
 /// A find's question: its key prefix and its conditions, values canonical.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct Question {
@@ -41,10 +45,45 @@ impl Memo {
     }
 
     pub fn keep(&self, question: Question, answer: Arc<Answer>) {
+        if answer.found.len() > KEPT_MATCHES {
+            return;
+        }
         let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
         if kept.len() >= KEPT {
             kept.remove(0);
         }
         kept.push((question, answer));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn question(prefix: usize) -> Question {
+        Question { prefix: prefix.to_string(), conditions: Vec::new() }
+    }
+
+    fn answer(matches: usize) -> Arc<Answer> {
+        let doc: Arc<str> = Arc::from("{}");
+        Arc::new(Answer { looked_at: matches, found: (0..matches).map(|i| (i.to_string(), doc.clone())).collect() })
+    }
+
+    #[test]
+    fn a_memo_keeps_the_latest_answers_of_a_bounded_size() {
+        let memo = Memo::default();
+        for prefix in 0..=KEPT {
+            memo.keep(question(prefix), answer(1));
+        }
+        assert!(memo.get(&question(0)).is_none(), "the oldest is forgotten");
+        assert!((1..=KEPT).all(|p| memo.get(&question(p)).is_some()));
+        memo.keep(question(KEPT + 1), answer(KEPT_MATCHES + 1));
+        assert!(memo.get(&question(KEPT + 1)).is_none(), "too large to keep");
+        memo.keep(question(KEPT + 2), answer(KEPT_MATCHES));
+        assert_eq!(memo.get(&question(KEPT + 2)).unwrap().found.len(), KEPT_MATCHES);
+        // Copies share what they keep.
+        let copy = memo.clone();
+        copy.keep(question(KEPT + 3), answer(2));
+        assert!(memo.get(&question(KEPT + 3)).is_some());
     }
 }
