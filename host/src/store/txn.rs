@@ -287,25 +287,7 @@ impl Txn {
             return Err(cap("find conditions", limit, format!("a find in {ns} with {} conditions", conditions.len())));
         }
         let tests = conditions.iter().map(|c| self.test(ns, c)).collect::<Result<Vec<_>, _>>()?;
-        // The namespace's memo answers only for its own documents: not over this call's writes.
-        let memo = self.base.namespace(ns).filter(|_| self.writes.with_prefix(ns, prefix).next().is_none());
-        let question = memo.map(|_| Question {
-            prefix: prefix.to_string(),
-            conditions: tests.iter().map(|t| FieldIs { path: t.path.to_vec(), value: t.value.clone() }).collect(),
-        });
-        let kept = memo.zip(question.as_ref()).and_then(|(n, q)| n.finds.get(q));
-        let answer = match kept {
-            Some(answer) => answer,
-            None => {
-                let answer = Arc::new(self.scan(ns, prefix, &tests));
-                // Only a whole range is kept: a call with a larger cap must not get a cut one.
-                let whole = answer.looked_at <= self.caps.listed_keys;
-                if let (Some(namespace), Some(question), true) = (memo, question, whole) {
-                    namespace.finds.keep(question, answer.clone());
-                }
-                answer
-            }
-        };
+        let answer = self.answer(ns, prefix, &tests);
         if answer.looked_at > self.caps.listed_keys {
             return Err(self.listing_cap(ns, prefix));
         }
@@ -314,6 +296,29 @@ impl Txn {
             self.scanned.push((ns.to_string(), prefix.to_string()));
         }
         Ok(found)
+    }
+
+    /// What a find of `tests` over `prefix` in `ns` finds: the answer the namespace kept for
+    /// the same question, or a scan (kept for the next one when it read the whole range).
+    fn answer(&self, ns: &str, prefix: &str, tests: &[Test<'_>]) -> Arc<Answer> {
+        // The namespace's memo answers only for its own documents: not over this call's writes.
+        let Some(namespace) = self.base.namespace(ns).filter(|_| self.writes.with_prefix(ns, prefix).next().is_none())
+        else {
+            return Arc::new(self.scan(ns, prefix, tests));
+        };
+        let question = Question {
+            prefix: prefix.to_string(),
+            conditions: tests.iter().map(|t| FieldIs { path: t.path.to_vec(), value: t.value.clone() }).collect(),
+        };
+        if let Some(answer) = namespace.finds.get(&question) {
+            return answer;
+        }
+        let answer = Arc::new(self.scan(ns, prefix, tests));
+        // Only a whole range is kept: a call with a larger cap must not get a cut one.
+        if answer.looked_at <= self.caps.listed_keys {
+            namespace.finds.keep(question, answer.clone());
+        }
+        answer
     }
 
     /// The documents of `ns` starting with `prefix` that pass every test, reading at most one
