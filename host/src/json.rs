@@ -251,11 +251,15 @@ impl DocText {
     }
 }
 
+/// `text` (a document) to be written out as the JSON it holds, borrowed: validated without
+/// building a tree or copying it (serde_json skips nesting without recursing).
+pub fn as_raw<E: serde::ser::Error>(text: &str) -> Result<&serde_json::value::RawValue, E> {
+    serde_json::from_str(text).map_err(E::custom)
+}
+
 impl serde::Serialize for DocText {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        // Validated without building a tree (serde_json skips nesting without recursing).
-        let raw: &serde_json::value::RawValue = serde_json::from_str(&self.0).map_err(serde::ser::Error::custom)?;
-        raw.serialize(serializer)
+        as_raw::<S::Error>(&self.0)?.serialize(serializer)
     }
 }
 

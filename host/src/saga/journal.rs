@@ -113,20 +113,32 @@ pub struct DocWrite {
     pub after: Option<Arc<str>>,
 }
 
-/// [`DocWrite`] as a journal record spells it.
-#[derive(Serialize, Deserialize)]
+/// [`DocWrite`] as a journal record spells it, read back.
+#[derive(Deserialize)]
 struct DocWriteRecord {
     ns: String,
     key: String,
-    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "present")]
+    #[serde(default, deserialize_with = "present")]
     old: Option<Box<RawValue>>,
-    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "present")]
+    #[serde(default, deserialize_with = "present")]
     new: Option<Box<RawValue>>,
     /// The texts, as records held them before `old` and `new`.
-    #[serde(default, skip_serializing)]
+    #[serde(default)]
     before: Option<Arc<str>>,
-    #[serde(default, skip_serializing)]
+    #[serde(default)]
     after: Option<Arc<str>>,
+}
+
+/// The same record as written: borrowed from the [`DocWrite`], so recording a commit copies
+/// neither its names nor its documents.
+#[derive(Serialize)]
+struct DocWriteOut<'a> {
+    ns: &'a str,
+    key: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    old: Option<&'a RawValue>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    new: Option<&'a RawValue>,
 }
 
 /// A field that is there holds a document, even the document `null`.
@@ -137,16 +149,12 @@ fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Box<RawValue
 impl Serialize for DocWrite {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         // The store's texts are canonical JSON; anything else is refused, never dropped.
-        let raw = |text: &Option<Arc<str>>| {
-            text.as_deref().map(|t| RawValue::from_string(t.to_string())).transpose().map_err(serde::ser::Error::custom)
-        };
-        let record = DocWriteRecord {
-            ns: self.ns.clone(),
-            key: self.key.clone(),
-            old: raw(&self.before)?,
-            new: raw(&self.after)?,
-            before: None,
-            after: None,
+        let (old, new) = (self.before.as_deref(), self.after.as_deref());
+        let record = DocWriteOut {
+            ns: &self.ns,
+            key: &self.key,
+            old: old.map(crate::json::as_raw::<S::Error>).transpose()?,
+            new: new.map(crate::json::as_raw::<S::Error>).transpose()?,
         };
         record.serialize(serializer)
     }

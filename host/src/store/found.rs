@@ -5,7 +5,7 @@
 //! documents scanned them all again each time (tau-bench's flight searches read 1.3 MB
 //! each). Copies of a namespace share its memo; the copy a commit writes starts a new one.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::FieldIs;
 
@@ -34,13 +34,15 @@ pub(super) struct Answer {
 /// A question with its answer.
 type Answered = (Question, Arc<Answer>);
 
-/// The finds answered on one version of a namespace, oldest first.
+/// The finds answered on one version of a namespace, oldest first. Empty until the first
+/// find keeps an answer, so a write that forgets it allocates nothing: commits write far
+/// more namespaces than finds search.
 #[derive(Clone, Debug, Default)]
-pub(super) struct Memo(Arc<Mutex<Vec<Answered>>>);
+pub(super) struct Memo(OnceLock<Arc<Mutex<Vec<Answered>>>>);
 
 impl Memo {
     pub fn get(&self, question: &Question) -> Option<Arc<Answer>> {
-        let kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = self.0.get()?.lock().unwrap_or_else(|p| p.into_inner());
         kept.iter().find(|(q, _)| q == question).map(|(_, a)| a.clone())
     }
 
@@ -48,7 +50,11 @@ impl Memo {
         if answer.found.len() > KEPT_MATCHES {
             return;
         }
-        let mut kept = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut kept = self.0.get_or_init(Arc::default).lock().unwrap_or_else(|p| p.into_inner());
+        // Two calls may have scanned for the same question at once.
+        if kept.iter().any(|(q, _)| *q == question) {
+            return;
+        }
         if kept.len() >= KEPT {
             kept.remove(0);
         }
@@ -81,6 +87,8 @@ mod tests {
         assert!(memo.get(&question(KEPT + 1)).is_none(), "too large to keep");
         memo.keep(question(KEPT + 2), answer(KEPT_MATCHES));
         assert_eq!(memo.get(&question(KEPT + 2)).unwrap().found.len(), KEPT_MATCHES);
+        memo.keep(question(KEPT + 2), answer(1));
+        assert_eq!(memo.get(&question(KEPT + 2)).unwrap().found.len(), KEPT_MATCHES, "kept once");
         // Copies share what they keep.
         let copy = memo.clone();
         copy.keep(question(KEPT + 3), answer(2));

@@ -669,16 +669,22 @@ mod tests {
         let find = |state: &State, caps: StoreCaps| {
             Txn::new(state.clone(), WriteQuota::default()).with_caps(caps).try_find("flights", "", &sfo).map(keys)
         };
+        let question = Question { prefix: String::new(), conditions: sfo.to_vec() };
+        let kept = |state: &State| state.namespace("flights").and_then(|n| n.finds.get(&question));
         let before = store.snapshot();
         // A find cut short by a small cap is not kept for a call that may read more.
         let two = StoreCaps { listed_keys: 2, ..StoreCaps::default() };
         assert!(matches!(find(&before, two), Err(TxnError::CapExceeded { cap: "list size", .. })));
+        assert!(kept(&before).is_none(), "a cut answer was kept");
         assert_eq!(find(&before, StoreCaps::default()).unwrap(), ["A1", "A3", "B1"]);
+        // Kept with the namespace, for every copy that shares it (a case's state, a snapshot).
+        assert_eq!(kept(&store.snapshot()).map(|a| a.found.len()), Some(3));
         // A kept answer over more documents than a call's cap still refuses that call.
         assert!(matches!(find(&before, two), Err(TxnError::CapExceeded { cap: "list size", .. })));
         let mut txn = Txn::new(store.snapshot(), WriteQuota::default());
         txn.put("flights", "A2", r#"{"origin":"SFO"}"#).unwrap();
         store.commit(&txn).unwrap();
+        assert!(kept(&store.snapshot()).is_none(), "the commit that wrote the namespace forgets it");
         assert_eq!(find(&store.snapshot(), StoreCaps::default()).unwrap(), ["A1", "A2", "A3", "B1"]);
         assert_eq!(find(&before, StoreCaps::default()).unwrap(), ["A1", "A3", "B1"], "the older copy is unchanged");
         let mut own = Txn::new(before.clone(), WriteQuota::default());
