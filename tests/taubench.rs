@@ -602,7 +602,7 @@ fn expected_state(base: &State, last: &State, new_ids: &[String], log: &str) -> 
         let mut docs = Map::new();
         for key in keys {
             let (old, new) = (base.get(ns, &key), last.get(ns, &key));
-            if old.map(|d| d.hash) == new.map(|d| d.hash) {
+            if old == new {
                 continue;
             }
             let text = new.map_or("", |d| &d.text);

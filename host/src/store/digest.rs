@@ -84,7 +84,7 @@ impl Namespace {
             let buckets = self.buckets.get_or_init(|| {
                 let mut buckets = Buckets::new();
                 for (key, doc) in self.docs.iter() {
-                    buckets.entry(bucket_of(key)).or_default().docs.insert(key.clone(), doc.hash);
+                    buckets.entry(bucket_of(key)).or_default().docs.insert(key.clone(), *doc.hash());
                 }
                 buckets
             });
@@ -99,14 +99,14 @@ impl Namespace {
 
     /// Forgets the digests a write of `key` changes (`hash`: the new document's, `None`
     /// when deleted), keeping the bucket index up to date if a digest built it.
-    pub(super) fn forget_digest(&mut self, key: &str, hash: Option<[u8; 32]>) {
+    pub(super) fn forget_digest(&mut self, key: &str, written: Option<&Doc>) {
         self.digest = OnceLock::new();
         let Some(buckets) = self.buckets.get_mut() else { return };
         let number = bucket_of(key);
-        match hash {
-            Some(hash) => {
+        match written {
+            Some(doc) => {
                 let bucket = buckets.entry(number).or_default();
-                bucket.docs.insert(key.to_string(), hash);
+                bucket.docs.insert(key.to_string(), *doc.hash());
                 bucket.digest = OnceLock::new();
             }
             None => {

@@ -28,8 +28,9 @@ pub use txn::{Conflict, FieldIs, StoreCaps, Txn, TxnError, WriteQuota};
 pub struct Doc {
     /// Canonical JSON text.
     pub text: Arc<str>,
-    /// SHA-256 of `text`, kept so that digests need not hash the documents again.
-    pub hash: [u8; 32],
+    /// SHA-256 of `text`, hashed when a digest first needs it (a run that is never digested
+    /// never pays for it) and kept, so that digests need not hash the document again.
+    hash: OnceLock<[u8; 32]>,
     /// The commit that wrote it; optimistic concurrency compares these.
     pub version: u64,
 }
@@ -37,14 +38,21 @@ pub struct Doc {
 /// Documents are equal when their texts are (whichever commit wrote them).
 impl PartialEq for Doc {
     fn eq(&self, other: &Doc) -> bool {
-        self.hash == other.hash
+        match (self.hash.get(), other.hash.get()) {
+            (Some(a), Some(b)) => a == b,
+            _ => Arc::ptr_eq(&self.text, &other.text) || self.text == other.text,
+        }
     }
 }
 
 impl Doc {
     fn new(text: Arc<str>, version: u64) -> Doc {
-        let hash = Sha256::digest(text.as_bytes()).into();
-        Doc { text, hash, version }
+        Doc { text, hash: OnceLock::new(), version }
+    }
+
+    /// SHA-256 of the text.
+    pub fn hash(&self) -> &[u8; 32] {
+        self.hash.get_or_init(|| Sha256::digest(self.text.as_bytes()).into())
     }
 }
 
@@ -213,7 +221,7 @@ impl State {
         for (ns, key, text) in writes {
             let namespace = self.namespaces.entry(ns.to_string()).or_default();
             let doc = text.map(|text| Doc::new(text.clone(), version));
-            namespace.forget_digest(key, doc.as_ref().map(|d| d.hash));
+            namespace.forget_digest(key, doc.as_ref());
             namespace.finds = found::Memo::default();
             let existed = match doc {
                 Some(doc) => namespace.docs.insert(key.to_string(), doc).is_some(),
@@ -314,5 +322,33 @@ mod tests {
         store.commit(&txn).unwrap();
         assert_eq!(&*before.get("flights", "HAT001").unwrap().text, r#"{"seats":3}"#);
         assert_eq!(&*store.snapshot().get("flights", "HAT001").unwrap().text, r#"{"seats":2}"#);
+    }
+
+    #[test]
+    fn a_commit_hashes_nothing_until_a_digest_needs_it() {
+        let store = MemoryStore::new(sample());
+        let mut txn = Txn::new(store.snapshot(), WriteQuota::default());
+        txn.put("flights", "HAT001", r#"{"seats":2}"#).unwrap();
+        store.commit(&txn).unwrap();
+        let state = store.snapshot();
+        let written = state.get("flights", "HAT001").unwrap();
+        assert!(written.hash.get().is_none(), "the commit hashed the document it wrote");
+
+        // A digest hashes it, keeps the hash, and equals the digest of the same documents
+        // loaded afresh.
+        let digest = state.digest();
+        assert_eq!(written.hash.get(), Some(&Sha256::digest(br#"{"seats":2}"#).into()));
+        let fresh = State::from_json(&serde_json::from_str(&state.to_canonical_json()).unwrap()).unwrap();
+        assert_eq!(fresh.digest(), digest);
+
+        // Equal texts are equal documents, hashed or not; different texts are not.
+        let same = Doc::new(r#"{"seats":2}"#.into(), 9);
+        let other = Doc::new(r#"{"seats":1}"#.into(), 9);
+        assert_eq!(*written, same);
+        assert_eq!(same, *written);
+        assert_ne!(*written, other);
+        assert_ne!(other, *written);
+        same.hash();
+        assert_eq!(*written, same);
     }
 }
