@@ -467,7 +467,6 @@ impl Runtime {
         txn: &mut Txn,
         fuel_used: &mut u64,
     ) -> Result<Value, CallError> {
-        let host_error = |reason: String| CallError::Host { tool: qualified.to_string(), reason };
         limits.check().map_err(|reason| CallError::InvalidInput {
             tool: qualified.to_string(),
             message: format!("impossible limits: {reason}"),
@@ -476,6 +475,25 @@ impl Runtime {
         if self.native_tools {
             return native::call(plugin, &tool.info.name, args, &options.context, limits, txn);
         }
+        // Boxed: the sandboxed call's future (store, instance, timer) is a few KB, and
+        // every async layer above would otherwise hold it inline and copy it when created.
+        Box::pin(self.run_sandboxed(plugin, tool, qualified, args, options, limits, txn, fuel_used)).await
+    }
+
+    /// The call in a fresh instance of the plugin's sandbox.
+    #[allow(clippy::too_many_arguments)]
+    async fn run_sandboxed(
+        &self,
+        plugin: &Plugin,
+        tool: &Tool,
+        qualified: &str,
+        args: &Value,
+        options: &CallOptions,
+        limits: &Limits,
+        txn: &mut Txn,
+        fuel_used: &mut u64,
+    ) -> Result<Value, CallError> {
+        let host_error = |reason: String| CallError::Host { tool: qualified.to_string(), reason };
         let pre = self.prepared(plugin, limits.stack_kib).map_err(host_error)?;
         let working = std::mem::replace(txn, Txn::new(State::default(), limits.write_quota()));
         let mut state = CallState::new(plugin.grants.clone(), qualified.into(), limits, working, options.seed)
@@ -838,6 +856,17 @@ mod tests {
         let soon = Instant::now() + Duration::from_micros(100);
         assert!(conflict_backoff(MAX_COMMIT_RUNS, Some(soon)) <= Duration::from_micros(100));
         assert_eq!(conflict_backoff(3, Some(Instant::now())), Duration::ZERO);
+    }
+
+    /// Every async layer above `invoke` (the saga engine's attempt, step and run) holds its
+    /// future inline and copies it when created: the sandboxed call, a few KB, is boxed.
+    #[tokio::test]
+    async fn a_call_s_future_is_small() {
+        let options = RuntimeOptions { bundled: false, cache_dir: None, ..RuntimeOptions::default() };
+        let runtime = Runtime::load(options).await.unwrap();
+        let (args, call_options) = (Value::Null, CallOptions::default());
+        let call = runtime.invoke("none.tool", &args, &call_options, State::default());
+        assert!(std::mem::size_of_val(&call) <= 1024, "invoke's future: {} bytes", std::mem::size_of_val(&call));
     }
 
     /// The initial pages of the largest memory that `wasm` (a component) declares.
