@@ -207,7 +207,11 @@ impl ResourceLimiter for CallLimiter {
 
 /// The data of one call's `Store`.
 pub(crate) struct CallState {
-    wasi: WasiCtx,
+    /// Built when the guest first calls a WASI function (most tool calls never do), unless
+    /// the plugin is granted directories: opening those can fail, which the call reports
+    /// before it starts.
+    wasi: Option<WasiCtx>,
+    seed: Option<u64>,
     http: wasmtime_wasi_http::WasiHttpCtx,
     table: ResourceTable,
     pub limiter: CallLimiter,
@@ -241,7 +245,9 @@ pub trait LogSink: Send + Sync {
 
 impl WasiView for CallState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+        let (grants, seed, stderr) = (&self.grants, self.seed, &self.stderr);
+        let ctx = self.wasi.get_or_insert_with(|| wasi_builder(grants, seed, stderr).build());
+        WasiCtxView { ctx, table: &mut self.table }
     }
 }
 
@@ -253,6 +259,33 @@ impl wasmtime_wasi_http::WasiHttpView for CallState {
             hooks: wasmtime_wasi_http::default_hooks(),
         }
     }
+}
+
+/// A call's WASI context but its directories: only the granted capabilities, stderr
+/// captured, and for a seeded call deterministic clocks and randomness.
+fn wasi_builder(grants: &Grants, seed: Option<u64>, stderr: &StderrHead) -> WasiCtxBuilder {
+    let mut wasi = WasiCtxBuilder::new();
+    wasi.stderr(stderr.clone()).envs(&grants.env);
+    grants.network.configure(&mut wasi);
+    if let Some(seed) = seed {
+        wasi.wall_clock(determinism::FixedClock(seed))
+            .monotonic_clock(determinism::FixedClock(seed))
+            .secure_random(determinism::rng(seed))
+            .insecure_random(determinism::rng(seed ^ 0x5eed))
+            .insecure_random_seed(u128::from(seed));
+    }
+    wasi
+}
+
+/// A call's WASI context with its granted directories, which must open.
+fn with_dirs(grants: &Grants, seed: Option<u64>, stderr: &StderrHead) -> Result<WasiCtx, String> {
+    let mut wasi = wasi_builder(grants, seed, stderr);
+    for dir in &grants.dirs {
+        let perms = if dir.writable { FsPerms::ReadWrite } else { FsPerms::ReadOnly };
+        wasi.preopened_dir(&dir.host, &dir.guest, perms)
+            .map_err(|e| format!("cannot open granted directory {}: {e}", dir.host.display()))?;
+    }
+    Ok(wasi.build())
 }
 
 /// Deterministic clocks and randomness for reproducible runs.
@@ -303,23 +336,10 @@ impl CallState {
         seed: Option<u64>,
     ) -> Result<CallState, String> {
         let stderr = StderrHead::default();
-        let mut wasi = WasiCtxBuilder::new();
-        wasi.stderr(stderr.clone()).envs(&grants.env);
-        grants.network.configure(&mut wasi);
-        if let Some(seed) = seed {
-            wasi.wall_clock(determinism::FixedClock(seed))
-                .monotonic_clock(determinism::FixedClock(seed))
-                .secure_random(determinism::rng(seed))
-                .insecure_random(determinism::rng(seed ^ 0x5eed))
-                .insecure_random_seed(u128::from(seed));
-        }
-        for dir in &grants.dirs {
-            let perms = if dir.writable { FsPerms::ReadWrite } else { FsPerms::ReadOnly };
-            wasi.preopened_dir(&dir.host, &dir.guest, perms)
-                .map_err(|e| format!("cannot open granted directory {}: {e}", dir.host.display()))?;
-        }
+        let wasi = if grants.dirs.is_empty() { None } else { Some(with_dirs(&grants, seed, &stderr)?) };
         Ok(CallState {
-            wasi: wasi.build(),
+            wasi,
+            seed,
             http: wasmtime_wasi_http::WasiHttpCtx::new(),
             table: ResourceTable::new(),
             limiter: CallLimiter::new(limits),
@@ -332,6 +352,12 @@ impl CallState {
             log_budget: LOG_BUDGET,
             log_sink: None,
         })
+    }
+
+    /// Whether the guest called a WASI function (tests).
+    #[cfg(test)]
+    pub fn used_wasi(&self) -> bool {
+        self.wasi.is_some()
     }
 
     /// Stops the call: records why and returns the error that traps the guest.
@@ -570,4 +596,36 @@ fn add_log(linker: &mut Linker<CallState>) -> wasmtime::Result<()> {
             Ok(())
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::policy::DirGrant;
+    use crate::store::{State, WriteQuota};
+
+    fn call_state(grants: Grants) -> Result<CallState, String> {
+        let txn = Txn::new(State::default(), WriteQuota::default());
+        CallState::new(Arc::new(grants), "plugin.tool".into(), &Limits::default(), txn, Some(7))
+    }
+
+    fn dir(host: std::path::PathBuf) -> DirGrant {
+        DirGrant { host, guest: "/data".into(), writable: false }
+    }
+
+    #[test]
+    fn a_call_builds_its_wasi_context_when_the_guest_first_uses_it() {
+        let mut call = call_state(Grants::default()).unwrap();
+        assert!(!call.used_wasi(), "built before the guest asked");
+        let _ = WasiView::ctx(&mut call);
+        assert!(call.used_wasi());
+
+        // Granted directories are opened before the call starts, so a missing one is
+        // reported then, by name.
+        let with_dir = call_state(Grants { dirs: vec![dir(std::env::temp_dir())], ..Grants::default() }).unwrap();
+        assert!(with_dir.used_wasi());
+        let missing = std::env::temp_dir().join("sagabox-no-such-directory");
+        let error = call_state(Grants { dirs: vec![dir(missing.clone())], ..Grants::default() }).err().unwrap();
+        assert!(error.contains(&missing.display().to_string()), "{error}");
+    }
 }
