@@ -451,33 +451,28 @@ impl Runtime {
             limits.deadline_ms = limits.deadline_ms.min(left_ms);
         }
         let mut fuel_used = 0;
-        let result = self.run(plugin, tool, qualified, args, options, &limits, &mut txn, &mut fuel_used).await;
+        let result = match Self::check(tool, qualified, args, &limits) {
+            Err(e) => Err(e),
+            Ok(()) if self.native_tools => {
+                native::call(plugin, &tool.info.name, args, &options.context, &limits, &mut txn)
+            }
+            // Boxed: the sandboxed call's future (store, instance, timer) is a few KB, and
+            // every async layer above would otherwise hold it inline and copy it when created.
+            Ok(()) => {
+                Box::pin(self.run_sandboxed(plugin, tool, qualified, args, options, &limits, &mut txn, &mut fuel_used))
+                    .await
+            }
+        };
         Invocation { result, txn, fuel_used, elapsed: started.elapsed() }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    async fn run(
-        &self,
-        plugin: &Plugin,
-        tool: &Tool,
-        qualified: &str,
-        args: &Value,
-        options: &CallOptions,
-        limits: &Limits,
-        txn: &mut Txn,
-        fuel_used: &mut u64,
-    ) -> Result<Value, CallError> {
+    /// What is refused before any code runs: impossible limits, arguments off the schema.
+    fn check(tool: &Tool, qualified: &str, args: &Value, limits: &Limits) -> Result<(), CallError> {
         limits.check().map_err(|reason| CallError::InvalidInput {
             tool: qualified.to_string(),
             message: format!("impossible limits: {reason}"),
         })?;
-        tool.check_args(qualified, args)?;
-        if self.native_tools {
-            return native::call(plugin, &tool.info.name, args, &options.context, limits, txn);
-        }
-        // Boxed: the sandboxed call's future (store, instance, timer) is a few KB, and
-        // every async layer above would otherwise hold it inline and copy it when created.
-        Box::pin(self.run_sandboxed(plugin, tool, qualified, args, options, limits, txn, fuel_used)).await
+        tool.check_args(qualified, args)
     }
 
     /// The call in a fresh instance of the plugin's sandbox.
