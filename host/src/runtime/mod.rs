@@ -856,7 +856,7 @@ mod tests {
     /// Every async layer above `invoke` (the saga engine's attempt, step and run) holds its
     /// future inline and copies it when created: the sandboxed call, a few KB, is boxed.
     #[tokio::test]
-    async fn a_call_s_future_is_small() {
+    async fn the_future_of_a_call_is_small() {
         let options = RuntimeOptions { bundled: false, cache_dir: None, ..RuntimeOptions::default() };
         let runtime = Runtime::load(options).await.unwrap();
         let (args, call_options) = (Value::Null, CallOptions::default());

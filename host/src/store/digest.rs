@@ -97,8 +97,9 @@ impl Namespace {
         })
     }
 
-    /// Forgets the digests a write of `key` changes (`hash`: the new document's, `None`
-    /// when deleted), keeping the bucket index up to date if a digest built it.
+    /// Forgets the digests a write of `key` changes (`written`: the new document, `None`
+    /// when deleted), keeping the bucket index up to date if a digest built it (which then
+    /// hashes the new document).
     pub(super) fn forget_digest(&mut self, key: &str, written: Option<&Doc>) {
         self.digest = OnceLock::new();
         let Some(buckets) = self.buckets.get_mut() else { return };
