@@ -8,6 +8,7 @@
 
 pub mod agents;
 pub mod airline;
+pub mod call_heap;
 mod common;
 pub mod docs;
 pub mod hotel;
@@ -64,6 +65,20 @@ impl NativePlugin {
 macro_rules! export_plugin {
     ($plugin:ty, $wit:literal) => {
         ::wit_bindgen::generate!({ path: $wit, world: "plugin" });
+
+        // Each instance serves one call, on one thread (see `call_heap`).
+        #[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
+        #[global_allocator]
+        static CALL_HEAP: $crate::call_heap::CallHeap = $crate::call_heap::CallHeap::new();
+
+        /// Replaces wit-bindgen's (weak) `cabi_realloc`, which allocates with the global
+        /// allocator: wasi-libc frees with `free` what it receives through it.
+        #[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
+        #[unsafe(export_name = "cabi_realloc")]
+        unsafe extern "C" fn cabi_realloc(block: *mut u8, old_size: usize, align: usize, new_size: usize) -> *mut u8 {
+            // SAFETY: the canonical ABI calls it as `realloc`, which is `call_heap::cabi_realloc`'s contract.
+            unsafe { $crate::call_heap::cabi_realloc(block, old_size, align, new_size) }
+        }
 
         use exports::sagabox::plugin::tool as wit_tool;
         use sagabox::plugin::store as wit_store;
