@@ -2,7 +2,7 @@
 //!
 //! sagabox gives every call a fresh instance and throws it away afterwards, so a plugin's
 //! heap starts empty and never has to be tidied: what a general allocator spends on
-//! splitting, coalescing and bookkeeping buys nothing. [`CallHeap`] hands out small blocks
+//! splitting, coalescing and bookkeeping buys nothing. `CallHeap` hands out small blocks
 //! by size class (powers of two from 16 bytes to 32 KiB), each class a free list that
 //! reuses what was freed, the rest carved from chunks it takes from the system allocator.
 //! Blocks of more than 32 KiB, or aligned to more than 16 bytes, go to the system allocator
@@ -18,6 +18,7 @@
 //! component, and exports [`cabi_realloc`].
 
 use std::alloc::{GlobalAlloc, Layout, System};
+#[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
 use std::cell::UnsafeCell;
 use std::ptr;
 
@@ -45,7 +46,7 @@ fn class_of(layout: Layout) -> Option<usize> {
     Some((shift - MIN_SHIFT) as usize)
 }
 
-/// The allocator's state; [`CallHeap`] wraps it for a single-threaded guest.
+/// The allocator's state; `CallHeap` wraps it for a single-threaded guest.
 pub struct Heap {
     /// Each class's freed blocks, linked through their first word.
     free: [*mut u8; CLASSES],
@@ -208,25 +209,31 @@ pub unsafe fn cabi_realloc(block: *mut u8, old_size: usize, align: usize, new_si
 }
 
 /// [`Heap`] as a global allocator, for a guest that runs on one thread (a component
-/// instance: sagabox calls each instance once, never from two threads).
+/// instance: sagabox calls each instance once, never from two threads). It exists only for
+/// WebAssembly without threads.
+#[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
 pub struct CallHeap(UnsafeCell<Heap>);
 
-// SAFETY: only built into single-threaded WebAssembly guests (see `export_plugin!`), where
-// no two calls into the allocator can overlap.
+// SAFETY: WebAssembly without threads has one thread, so no two calls into the allocator
+// can overlap.
+#[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
 unsafe impl Sync for CallHeap {}
 
+#[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
 impl CallHeap {
     pub const fn new() -> Self {
         CallHeap(UnsafeCell::new(Heap::new()))
     }
 }
 
+#[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
 impl Default for CallHeap {
     fn default() -> Self {
         Self::new()
     }
 }
 
+#[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
 unsafe impl GlobalAlloc for CallHeap {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         unsafe { (*self.0.get()).alloc(layout) }
