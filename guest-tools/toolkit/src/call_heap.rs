@@ -18,8 +18,6 @@
 //! component, and exports [`cabi_realloc`].
 
 use std::alloc::{GlobalAlloc, Layout, System};
-#[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
-use std::cell::UnsafeCell;
 use std::ptr;
 
 /// The smallest block: 16 bytes, the strictest alignment served from the classes.
@@ -208,45 +206,48 @@ pub unsafe fn cabi_realloc(block: *mut u8, old_size: usize, align: usize, new_si
     moved
 }
 
-/// [`Heap`] as a global allocator, for a guest that runs on one thread (a component
-/// instance: sagabox calls each instance once, never from two threads). It exists only for
-/// WebAssembly without threads.
+/// [`Heap`] as a global allocator. It exists only for WebAssembly without threads, where a
+/// guest has one thread (a component instance: sagabox calls each instance once).
 #[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
-pub struct CallHeap(UnsafeCell<Heap>);
+mod global {
+    use super::Heap;
+    use std::alloc::{GlobalAlloc, Layout};
+    use std::cell::UnsafeCell;
 
-// SAFETY: WebAssembly without threads has one thread, so no two calls into the allocator
-// can overlap.
-#[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
-unsafe impl Sync for CallHeap {}
+    pub struct CallHeap(UnsafeCell<Heap>);
 
-#[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
-impl CallHeap {
-    pub const fn new() -> Self {
-        CallHeap(UnsafeCell::new(Heap::new()))
+    // SAFETY: one thread, so no two calls into the allocator can overlap.
+    unsafe impl Sync for CallHeap {}
+
+    impl CallHeap {
+        pub const fn new() -> Self {
+            CallHeap(UnsafeCell::new(Heap::new()))
+        }
+    }
+
+    impl Default for CallHeap {
+        fn default() -> Self {
+            Self::new()
+        }
+    }
+
+    unsafe impl GlobalAlloc for CallHeap {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            unsafe { (*self.0.get()).alloc(layout) }
+        }
+
+        unsafe fn dealloc(&self, block: *mut u8, layout: Layout) {
+            unsafe { (*self.0.get()).dealloc(block, layout) }
+        }
+
+        unsafe fn realloc(&self, block: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+            unsafe { (*self.0.get()).realloc(block, layout, new_size) }
+        }
     }
 }
 
 #[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
-impl Default for CallHeap {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-#[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
-unsafe impl GlobalAlloc for CallHeap {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        unsafe { (*self.0.get()).alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, block: *mut u8, layout: Layout) {
-        unsafe { (*self.0.get()).dealloc(block, layout) }
-    }
-
-    unsafe fn realloc(&self, block: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        unsafe { (*self.0.get()).realloc(block, layout, new_size) }
-    }
-}
+pub use global::CallHeap;
 
 #[cfg(test)]
 mod tests {

@@ -886,4 +886,35 @@ mod tests {
             assert_eq!(initial_pages(plugin.wasm), 32, "{}: initial pages of its memory", plugin.name);
         }
     }
+
+    /// The names of the functions that `wasm` (a component) defines, from its core modules'
+    /// name sections.
+    fn function_names(wasm: &[u8]) -> Vec<String> {
+        let mut names = Vec::new();
+        for payload in wasmparser::Parser::new(0).parse_all(wasm) {
+            let Ok(wasmparser::Payload::CustomSection(section)) = payload else { continue };
+            let wasmparser::KnownCustom::Name(reader) = section.as_known() else { continue };
+            for name in reader.into_iter().flatten() {
+                if let wasmparser::Name::Function(map) = name {
+                    names.extend(map.into_iter().flatten().map(|naming| naming.name.to_string()));
+                }
+            }
+        }
+        names
+    }
+
+    /// `export_plugin!` makes the toolkit's heap for one call the bundled plugins' allocator
+    /// (`guest-tools/toolkit/src/call_heap.rs`; BENCHMARKS item 18).
+    #[test]
+    fn bundled_plugins_allocate_with_the_heap_for_one_call() {
+        for plugin in crate::bundled::BUNDLED {
+            let names = function_names(plugin.wasm);
+            assert!(names.iter().any(|n| n.contains("cabi_realloc")), "{}: no function names to read", plugin.name);
+            assert!(
+                names.iter().any(|n| n.contains("call_heap") && n.contains("alloc")),
+                "{}: does not allocate with call_heap::Heap",
+                plugin.name
+            );
+        }
+    }
 }
