@@ -512,3 +512,18 @@ fn a_file_of_records_is_refused_as_a_fixture_instead_of_becoming_namespaces() {
     assert_eq!(state.as_object().unwrap().keys().collect::<Vec<_>>(), ["flights"]);
     assert_eq!(state["flights"], flights);
 }
+
+/// The command line's jemalloc runs one arena per CPU (BENCHMARKS.md, item 19). jemalloc
+/// ignores an options symbol it cannot find, so a misspelt one would pass every other test.
+#[test]
+fn the_command_lines_allocator_keeps_one_arena_per_cpu() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        .arg("--version")
+        .env("_RJEM_MALLOC_CONF", "stats_print:true")
+        .output()
+        .expect("sagabox runs");
+    assert!(out.status.success(), "{}", stderr(&out));
+    // jemalloc prints its statistics, options first, to stderr at exit.
+    let stats = stderr(&out);
+    assert!(stats.contains("opt.percpu_arena: \"percpu\""), "jemalloc's options: {}", &stats[..stats.len().min(2000)]);
+}

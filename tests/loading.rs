@@ -108,6 +108,46 @@ fn elf_section(bytes: &[u8], name: &str) -> std::ops::Range<usize> {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_cached_plugin_runs_from_its_entry_mapped_not_copied() {
+    use std::os::unix::fs::PermissionsExt;
+    let (plugins, cache) = (notes_dir(), private_dir());
+    let (entry, _) = warm_entry(plugins.path(), cache.path()).await;
+    let runtime = Runtime::load(dir_options(plugins.path(), Some(cache.path()))).await.unwrap();
+    assert_eq!(runtime.plugin("notes").unwrap().compiled, CompileSource::Cached);
+    // Its machine code is the entry's own pages, so only what calls touch is resident.
+    let entry = entry.canonicalize().unwrap();
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let code = maps.lines().find(|l| l.ends_with(entry.to_str().unwrap()) && l.contains(" r-xp "));
+    assert!(code.is_some(), "no executable mapping of {}", entry.display());
+    let store = MemoryStore::new(State::default());
+    let mut options = CallOptions::default();
+    options.context.idempotency_key = "0123456789abcdef".repeat(4);
+    let added = runtime.call("notes.add", &json!({ "text": "hi" }), &options, &store).await;
+    assert!(added.result.is_ok(), "{:?}", added.result);
+    // Read-only, so that nothing writes it in place under a process running it.
+    let mode = std::fs::metadata(&entry).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o400);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_entry_of_the_first_format_is_recompiled_and_rewritten() {
+    use sha2::Digest;
+    let (plugins, cache) = (notes_dir(), private_dir());
+    let (entry, bytes) = warm_entry(plugins.path(), cache.path()).await;
+    // The first format: a tag and the component's SHA-256 before it.
+    let component = &bytes[..bytes.len() - 40];
+    let mut first = b"sgbxc\0\0\x01".to_vec();
+    first.extend_from_slice(&sha2::Sha256::digest(component));
+    first.extend_from_slice(component);
+    std::fs::remove_file(&entry).unwrap();
+    std::fs::write(&entry, &first).unwrap();
+    assert_eq!(load_notes(plugins.path(), cache.path()).await, CompileSource::Compiled);
+    let rewritten = std::fs::read(&entry).unwrap();
+    assert!(rewritten.ends_with(b"sgbxc\0\0\x02"), "the entry was not rewritten in the current format");
+    assert_eq!(load_notes(plugins.path(), cache.path()).await, CompileSource::Cached);
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_cache_entry_with_zeroed_metadata_is_recompiled_not_a_panic() {
     let (plugins, cache) = (notes_dir(), private_dir());
     let (entry, bytes) = warm_entry(plugins.path(), cache.path()).await;

@@ -5,10 +5,10 @@
 //!   directory (bundled plugins off, small `LoadCaps`). Never a panic or a hang: the plugin
 //!   loads or the error list names it, and nothing else.
 //! - `C`: the rest mutates the compile-cache entry of a valid plugin (the bundled `resources`,
-//!   compiled once per process). The rest is either a whole entry (when it starts with the
-//!   entry format's tag, `sgbxc\0\0\x01`) or edits of the real entry, 4 bytes each: `[op,
-//!   offset (24 bits, little-endian, modulo the length)]`, `op` XORed into the byte there,
-//!   or `op == 0` truncating the entry at that offset. The plugin is loaded again from the
+//!   compiled once per process). The rest is either a whole entry (what follows the entry
+//!   format's tag, `sgbxc\0\0\x02`, when the rest starts with it) or edits of the real
+//!   entry, 4 bytes each: `[op, offset (24 bits, little-endian, modulo the length)]`, `op`
+//!   XORed into the byte there, or `op == 0` truncating the entry at that offset. The plugin is loaded again from the
 //!   mutated entry: it is served from the cache only when the entry is byte for byte the one
 //!   the cache wrote (anything else is recompiled, never run), and `resources.allocate`
 //!   still works.
@@ -26,7 +26,7 @@ use sagabox::store::{MemoryStore, State};
 use serde_json::json;
 
 /// The entry format's tag (`ENTRY_MAGIC` in host/src/runtime/engine.rs).
-const ENTRY_MAGIC: &[u8] = b"sgbxc\0\0\x01";
+const ENTRY_MAGIC: &[u8] = b"sgbxc\0\0\x02";
 
 /// The policy of the bundled `resources` plugin (guest-tools/plugins/resources/policy.toml).
 const RESOURCES_POLICY: &str = "[store]\nwrite = [\"pools\", \"allocations\"]\n";
@@ -124,7 +124,7 @@ static HARNESS: LazyLock<Harness> = LazyLock::new(|| {
     assert_eq!(found.len(), 1, "one cache entry for resources: {found:?}");
     harness.entry = found[0].clone();
     harness.entry_bytes = std::fs::read(&harness.entry).unwrap();
-    assert!(harness.entry_bytes.starts_with(ENTRY_MAGIC), "the entry format changed");
+    assert!(harness.entry_bytes.ends_with(ENTRY_MAGIC), "the entry format changed");
     assert_eq!(harness.load_valid(), CompileSource::Cached, "the entry just written is used");
     harness
 });
@@ -172,7 +172,10 @@ impl Harness {
 
     /// The cache mode.
     fn load_entry(&self, rest: &[u8]) {
-        let bytes = if rest.starts_with(ENTRY_MAGIC) { rest.to_vec() } else { edited(&self.entry_bytes, rest) };
+        let bytes = match rest.strip_prefix(ENTRY_MAGIC) {
+            Some(whole) => whole.to_vec(),
+            None => edited(&self.entry_bytes, rest),
+        };
         std::fs::write(&self.entry, &bytes).unwrap();
         let compiled = self.load_valid();
         if bytes == self.entry_bytes {

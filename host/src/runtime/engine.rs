@@ -142,12 +142,16 @@ pub enum CompileSource {
     Cached,
 }
 
-/// What every cache entry starts with: a format tag, then the SHA-256 of the serialized
-/// component that follows. The hash catches corruption (bit flips, zeroed runs, truncation),
-/// not forgery: whoever can write the directory can write a matching hash, which is why the
-/// cache only uses a directory that no other user can write.
-const ENTRY_MAGIC: &[u8; 8] = b"sgbxc\0\0\x01";
-const ENTRY_HEADER: usize = ENTRY_MAGIC.len() + 32;
+/// What every cache entry ends with: the SHA-256 of the serialized component before it, then
+/// a format tag. At the end, so that the file from its first byte is wasmtime's own artifact,
+/// which wasmtime maps rather than copies: only the code and data pages that calls touch are
+/// resident, and shared with every other process using the entry. The hash catches corruption
+/// (bit flips, zeroed runs, truncation), not forgery: whoever can write the directory can
+/// write a matching hash, which is why the cache only uses a directory that no other user can
+/// write. (Entries of the first format carried this at the start; they read as another
+/// format's and are rewritten.)
+const ENTRY_MAGIC: &[u8; 8] = b"sgbxc\0\0\x02";
+const ENTRY_TRAILER: usize = 32 + ENTRY_MAGIC.len();
 
 /// The largest cache entry read; anything bigger is not one this cache wrote.
 const MAX_ENTRY_BYTES: u64 = 2 << 30;
@@ -195,10 +199,13 @@ impl CompileCache {
         let Some(path) = self.dir.as_ref().map(|dir| dir.join(entry_name(engine, sha256))) else {
             return Ok((compile(engine, wasm)?, CompileSource::Compiled));
         };
-        match read_entry(&path).and_then(|bytes| bytes.map(|b| deserialize(engine, &b)).transpose()) {
+        match open_entry(&path).and_then(|entry| entry.map(|file| deserialize(engine, &file, &path)).transpose()) {
             Ok(Some(component)) => return Ok((component, CompileSource::Cached)),
             Ok(None) => {}
-            Err(e) => tracing::warn!("ignoring unusable cache entry {}: {e}", path.display()),
+            Err(Unusable::OtherFormat) => {
+                tracing::debug!("rewriting cache entry {} (another format)", path.display())
+            }
+            Err(Unusable::Broken(e)) => tracing::warn!("ignoring unusable cache entry {}: {e}", path.display()),
         }
         let component = compile(engine, wasm)?;
         if let Err(e) = store_entry(&path, &component.serialize()?) {
@@ -281,26 +288,53 @@ fn check_dir(dir: &Path) -> Result<(), String> {
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create it: {e}"))
 }
 
-/// Deserializes a verified entry. wasmtime trusts these bytes, so a panic in it (seen on
-/// damaged metadata) is caught as a last line of defence and counts as a miss.
-fn deserialize(engine: &Engine, bytes: &[u8]) -> Result<Component, String> {
+/// Why a cache entry was not used.
+enum Unusable {
+    /// Written in another format (by an older sagabox): rewritten without a warning.
+    OtherFormat,
+    /// Damaged, planted or not loadable.
+    Broken(String),
+}
+
+/// Deserializes the verified entry open as `file` (at `path`), mapping it. wasmtime trusts
+/// these bytes, so a panic in it (seen on damaged metadata) is caught as a last line of
+/// defence and counts as a miss.
+fn deserialize(engine: &Engine, file: &std::fs::File, path: &Path) -> Result<Component, Unusable> {
+    // wasmtime opens by path. `/proc/self/fd/N` names the very file checked, even if the
+    // entry was replaced since (another process storing it; a planted link).
+    let checked = checked_file_path(file).unwrap_or_else(|| path.to_path_buf());
     let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: the bytes passed the entry's integrity check, so they are what this
-        // cache serialized for this engine configuration (the name carries the engine's
-        // compatibility hash), read from a directory only this user can write.
-        unsafe { Component::deserialize(engine, bytes) }
+        // SAFETY: the file passed the entry's integrity check, so it is what this cache
+        // serialized for this engine configuration (the name carries the engine's
+        // compatibility hash), in a directory only this user can write. Entries are replaced
+        // by rename, never written in place, so the mapping sees the checked contents.
+        unsafe { Component::deserialize_file(engine, &checked) }
     }));
     match attempt {
         Ok(Ok(component)) => Ok(component),
-        Ok(Err(e)) => Err(format!("{e:#}")),
-        Err(_) => Err("wasmtime panicked deserializing it".into()),
+        Ok(Err(e)) => Err(Unusable::Broken(format!("{e:#}"))),
+        Err(_) => Err(Unusable::Broken("wasmtime panicked deserializing it".into())),
     }
 }
 
-/// The serialized component of the entry at `path`, checked; `None` when there is none.
-/// Never follows a symlink and never blocks on a FIFO planted there.
-fn read_entry(path: &Path) -> Result<Option<Vec<u8>>, String> {
-    use std::io::Read;
+/// A path that opens the same file as `file` does, where the platform has one.
+fn checked_file_path(file: &std::fs::File) -> Option<PathBuf> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let path = PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()));
+        path.exists().then_some(path)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = file;
+        None
+    }
+}
+
+/// The entry at `path`, open and checked; `None` when there is none. Never follows a
+/// symlink and never blocks on a FIFO planted there.
+fn open_entry(path: &Path) -> Result<Option<std::fs::File>, Unusable> {
     let mut options = std::fs::OpenOptions::new();
     options.read(true);
     #[cfg(unix)]
@@ -308,28 +342,35 @@ fn read_entry(path: &Path) -> Result<Option<Vec<u8>>, String> {
     let file = match options.open(path) {
         Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot open it (a symlink?): {e}")),
+        Err(e) => return Err(Unusable::Broken(format!("cannot open it (a symlink?): {e}"))),
     };
-    let meta = file.metadata().map_err(|e| e.to_string())?;
+    let meta = file.metadata().map_err(|e| Unusable::Broken(e.to_string()))?;
     if !meta.is_file() || meta.len() > MAX_ENTRY_BYTES {
-        return Err("not a regular file of a plausible size".into());
+        return Err(Unusable::Broken("not a regular file of a plausible size".into()));
     }
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
-    file.take(MAX_ENTRY_BYTES).read_to_end(&mut bytes).map_err(|e| e.to_string())?;
-    verified(bytes).map(Some)
+    verify(&file, meta.len())?;
+    Ok(Some(file))
 }
 
-/// The payload of an entry whose header and hash match.
-fn verified(mut bytes: Vec<u8>) -> Result<Vec<u8>, String> {
-    if bytes.len() < ENTRY_HEADER || &bytes[..ENTRY_MAGIC.len()] != ENTRY_MAGIC {
-        return Err("not an entry of this cache's format".into());
+/// Checks the trailer of the entry open as `file` (`len` bytes long) against what precedes it.
+fn verify(file: &std::fs::File, len: u64) -> Result<(), Unusable> {
+    use std::io::{Read, Seek, SeekFrom};
+    let broken = |e: std::io::Error| Unusable::Broken(e.to_string());
+    let Some(payload) = len.checked_sub(ENTRY_TRAILER as u64) else { return Err(Unusable::OtherFormat) };
+    let mut trailer = [0u8; ENTRY_TRAILER];
+    let mut reader = file;
+    reader.seek(SeekFrom::Start(payload)).map_err(broken)?;
+    reader.read_exact(&mut trailer).map_err(broken)?;
+    if &trailer[32..] != ENTRY_MAGIC {
+        return Err(Unusable::OtherFormat);
     }
-    let payload = &bytes[ENTRY_HEADER..];
-    if Sha256::digest(payload)[..] != bytes[ENTRY_MAGIC.len()..ENTRY_HEADER] {
-        return Err("its integrity check failed (the file is corrupted)".into());
+    reader.seek(SeekFrom::Start(0)).map_err(broken)?;
+    let mut hasher = Sha256::new();
+    let copied = std::io::copy(&mut reader.take(payload), &mut hasher).map_err(broken)?;
+    if copied != payload || hasher.finalize()[..] != trailer[..32] {
+        return Err(Unusable::Broken("its integrity check failed (the file is corrupted)".into()));
     }
-    bytes.drain(..ENTRY_HEADER);
-    Ok(bytes)
+    Ok(())
 }
 
 /// `<plugin sha256>-<engine hash>.cwasm`.
@@ -348,7 +389,7 @@ fn entry_name(engine: &Engine, sha256: &str) -> String {
     format!("{sha256}-{}.cwasm", &hex::encode(hasher.0.finalize())[..16])
 }
 
-/// Writes an entry atomically: header and bytes into a new file with a random name,
+/// Writes an entry atomically: bytes and trailer into a new file with a random name,
 /// created exclusively without following symlinks (nobody can make us write through a
 /// planted link), then renamed over the entry (rename replaces a link, never follows it).
 fn store_entry(path: &Path, serialized: &[u8]) -> std::io::Result<()> {
@@ -361,13 +402,15 @@ fn store_entry(path: &Path, serialized: &[u8]) -> std::io::Result<()> {
     #[cfg(unix)]
     {
         use std::os::unix::fs::OpenOptionsExt;
-        options.mode(0o600).custom_flags(libc::O_NOFOLLOW);
+        // Read-only: processes map entries, and a file written in place under a mapping
+        // (a stray `cp` over it, say) would change code they run or cut it short.
+        options.mode(0o400).custom_flags(libc::O_NOFOLLOW);
     }
     let mut file = options.open(&tmp)?;
     let written = (|| {
-        file.write_all(ENTRY_MAGIC)?;
-        file.write_all(&Sha256::digest(serialized))?;
         file.write_all(serialized)?;
+        file.write_all(&Sha256::digest(serialized))?;
+        file.write_all(ENTRY_MAGIC)?;
         file.sync_data()?;
         std::fs::rename(&tmp, path)
     })();
