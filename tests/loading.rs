@@ -139,8 +139,7 @@ async fn an_entry_of_the_first_format_is_recompiled_and_rewritten() {
     let mut first = b"sgbxc\0\0\x01".to_vec();
     first.extend_from_slice(&sha2::Sha256::digest(component));
     first.extend_from_slice(component);
-    std::fs::remove_file(&entry).unwrap();
-    std::fs::write(&entry, &first).unwrap();
+    replace_cache_entry(&entry, &first);
     assert_eq!(load_notes(plugins.path(), cache.path()).await, CompileSource::Compiled);
     let rewritten = std::fs::read(&entry).unwrap();
     assert!(rewritten.ends_with(b"sgbxc\0\0\x02"), "the entry was not rewritten in the current format");
@@ -161,7 +160,7 @@ async fn a_cache_entry_with_zeroed_metadata_is_recompiled_not_a_panic() {
             continue; // already zeros there: nothing to damage
         }
         damaged += 1;
-        std::fs::write(&entry, &broken).unwrap();
+        replace_cache_entry(&entry, &broken);
         assert_eq!(load_notes(plugins.path(), cache.path()).await, CompileSource::Compiled, "zeroed at {at}");
     }
     assert!(damaged > 0);
@@ -176,7 +175,7 @@ async fn a_cache_entry_with_flipped_bits_in_its_code_is_recompiled_and_runs() {
     for b in &mut broken[text.start + text.len() / 2..][..64] {
         *b ^= 0x5a;
     }
-    std::fs::write(&entry, &broken).unwrap();
+    replace_cache_entry(&entry, &broken);
     // A cached load here would run corrupted machine code at the first call.
     assert_eq!(load_notes(plugins.path(), cache.path()).await, CompileSource::Compiled);
     // The bad entry was replaced by a good one.

@@ -468,7 +468,7 @@ async fn compiled_plugins_are_cached_and_a_bad_entry_is_a_miss() {
         .map(|e| e.unwrap().path())
         .find(|p| p.file_name().unwrap().to_string_lossy().starts_with(&hotel_sha))
         .expect("a cache entry for hotel");
-    std::fs::write(&entry, b"not a compiled component").unwrap();
+    replace_cache_entry(&entry, b"not a compiled component");
     let third = Runtime::load(options()).await.unwrap();
     assert_eq!(third.plugin("hotel").unwrap().compiled, CompileSource::Compiled);
     assert_eq!(third.plugin("airline").unwrap().compiled, CompileSource::Cached);

@@ -176,6 +176,8 @@ impl Harness {
             Some(whole) => whole.to_vec(),
             None => edited(&self.entry_bytes, rest),
         };
+        // Entries are read-only (processes map them): replaced, as the cache does.
+        let _ = std::fs::remove_file(&self.entry);
         std::fs::write(&self.entry, &bytes).unwrap();
         let compiled = self.load_valid();
         if bytes == self.entry_bytes {

@@ -17,6 +17,13 @@ pub fn shared_cache() -> PathBuf {
     DIR.get_or_init(|| tempfile::tempdir().expect("temp dir")).path().to_path_buf()
 }
 
+/// Replaces the compile-cache entry at `entry` with `bytes`. Entries are read-only (processes
+/// map them), so it is replaced rather than written in place, as the cache itself does.
+pub fn replace_cache_entry(entry: &Path, bytes: &[u8]) {
+    std::fs::remove_file(entry).expect("the entry can be removed");
+    std::fs::write(entry, bytes).expect("the entry can be written");
+}
+
 /// Where the build put every guest `.wasm`, the malformed test plugins included.
 pub fn artifact(name: &str) -> PathBuf {
     Path::new(env!("SAGABOX_GUEST_ARTIFACTS")).join(format!("{name}.wasm"))
