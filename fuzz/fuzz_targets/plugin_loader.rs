@@ -8,10 +8,10 @@
 //!   compiled once per process). The rest is either a whole entry (what follows the entry
 //!   format's tag, `sgbxc\0\0\x02`, when the rest starts with it) or edits of the real
 //!   entry, 4 bytes each: `[op, offset (24 bits, little-endian, modulo the length)]`, `op`
-//!   XORed into the byte there, or `op == 0` truncating the entry at that offset. The plugin is loaded again from the
-//!   mutated entry: it is served from the cache only when the entry is byte for byte the one
-//!   the cache wrote (anything else is recompiled, never run), and `resources.allocate`
-//!   still works.
+//!   XORed into the byte there, or `op == 0` truncating the entry at that offset. The
+//!   plugin is loaded again from the mutated entry: it is served from the cache only when
+//!   the entry is byte for byte the one the cache wrote (anything else is recompiled, never
+//!   run), and `resources.allocate` still works.
 //!
 //! One tokio runtime and one private temporary directory per process (removed at the start
 //! of a later process once this one is gone).
