@@ -66,13 +66,18 @@ async fn load_notes(plugins: &Path, cache: &Path) -> CompileSource {
     let runtime = Runtime::load(dir_options(plugins, Some(cache))).await.expect("notes loads");
     let compiled = runtime.plugin("notes").unwrap().compiled;
     if compiled == CompileSource::Compiled {
-        let store = MemoryStore::new(State::default());
-        let mut options = CallOptions::default();
-        options.context.idempotency_key = "0123456789abcdef".repeat(4);
-        let added = runtime.call("notes.add", &json!({ "text": "hi" }), &options, &store).await;
-        assert!(added.result.is_ok(), "{:?}", added.result);
+        add_a_note(&runtime).await;
     }
     compiled
+}
+
+/// Calls `notes.add`, which must work.
+async fn add_a_note(runtime: &Runtime) {
+    let store = MemoryStore::new(State::default());
+    let mut options = CallOptions::default();
+    options.context.idempotency_key = "0123456789abcdef".repeat(4);
+    let added = runtime.call("notes.add", &json!({ "text": "hi" }), &options, &store).await;
+    assert!(added.result.is_ok(), "{:?}", added.result);
 }
 
 /// One warm entry for `notes`: its path and bytes.
@@ -119,14 +124,36 @@ async fn a_cached_plugin_runs_from_its_entry_mapped_not_copied() {
     let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
     let code = maps.lines().find(|l| l.ends_with(entry.to_str().unwrap()) && l.contains(" r-xp "));
     assert!(code.is_some(), "no executable mapping of {}", entry.display());
-    let store = MemoryStore::new(State::default());
-    let mut options = CallOptions::default();
-    options.context.idempotency_key = "0123456789abcdef".repeat(4);
-    let added = runtime.call("notes.add", &json!({ "text": "hi" }), &options, &store).await;
-    assert!(added.result.is_ok(), "{:?}", added.result);
+    add_a_note(&runtime).await;
     // Read-only, so that nothing writes it in place under a process running it.
     let mode = std::fs::metadata(&entry).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o400);
+}
+
+/// A cache on a `noexec` mount (a hardened `/tmp` or home) cannot be mapped executable: its
+/// entries are used from a checked copy in memory, not recompiled on every load. Mounting
+/// needs root, as the directory-ownership tests above do.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cache_on_a_noexec_mount_is_used_from_a_copy() {
+    let (plugins, mount) = (notes_dir(), private_dir());
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "noexec,mode=0700", "tmpfs"])
+        .arg(mount.path())
+        .status()
+        .expect("mount runs");
+    assert!(mounted.success(), "this test mounts a noexec tmpfs, which needs root");
+    let cache = mount.path().join("cache");
+    let loads = async {
+        assert_eq!(load_notes(plugins.path(), &cache).await, CompileSource::Compiled);
+        let runtime = Runtime::load(dir_options(plugins.path(), Some(&cache))).await.unwrap();
+        let compiled = runtime.plugin("notes").unwrap().compiled;
+        add_a_note(&runtime).await;
+        compiled
+    }
+    .await;
+    let unmounted = std::process::Command::new("umount").arg(mount.path()).status().expect("umount runs");
+    assert_eq!(loads, CompileSource::Cached, "an entry on a noexec mount was compiled again");
+    assert!(unmounted.success());
 }
 
 #[tokio::test(flavor = "multi_thread")]

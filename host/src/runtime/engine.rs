@@ -296,25 +296,45 @@ enum Unusable {
     Broken(String),
 }
 
-/// Deserializes the verified entry open as `file` (at `path`), mapping it. wasmtime trusts
-/// these bytes, so a panic in it (seen on damaged metadata) is caught as a last line of
-/// defence and counts as a miss.
+/// Deserializes the verified entry open as `file` (at `path`), mapping it; where the file
+/// cannot be mapped executable (a cache on a `noexec` mount), from a copy in memory, checked
+/// again, instead of recompiling on every load.
 fn deserialize(engine: &Engine, file: &std::fs::File, path: &Path) -> Result<Component, Unusable> {
     // wasmtime opens by path. `/proc/self/fd/N` names the very file checked, even if the
     // entry was replaced since (another process storing it; a planted link).
     let checked = checked_file_path(file).unwrap_or_else(|| path.to_path_buf());
-    let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: the file passed the entry's integrity check, so it is what this cache
-        // serialized for this engine configuration (the name carries the engine's
-        // compatibility hash), in a directory only this user can write. Entries are replaced
-        // by rename, never written in place, so the mapping sees the checked contents.
-        unsafe { Component::deserialize_file(engine, &checked) }
-    }));
-    match attempt {
-        Ok(Ok(component)) => Ok(component),
-        Ok(Err(e)) => Err(Unusable::Broken(format!("{e:#}"))),
-        Err(_) => Err(Unusable::Broken("wasmtime panicked deserializing it".into())),
+    // SAFETY: the file passed the entry's integrity check, so it is what this cache
+    // serialized for this engine configuration (the name carries the engine's compatibility
+    // hash), in a directory only this user can write. Entries are replaced by rename, never
+    // written in place, so the mapping sees the checked contents.
+    let mapped = guarded(|| unsafe { Component::deserialize_file(engine, &checked) })?;
+    if let Ok(component) = mapped {
+        return Ok(component);
     }
+    let copy = read_checked_copy(file)?;
+    // SAFETY: as above; these bytes passed the integrity check themselves.
+    guarded(|| unsafe { Component::deserialize(engine, &copy) })?.map_err(|e| Unusable::Broken(format!("{e:#}")))
+}
+
+/// Runs one of wasmtime's deserializers. They trust their input, so a panic in them (seen on
+/// damaged metadata) is caught as a last line of defence and counts as a miss.
+fn guarded(load: impl FnOnce() -> wasmtime::Result<Component>) -> Result<wasmtime::Result<Component>, Unusable> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(load))
+        .map_err(|_| Unusable::Broken("wasmtime panicked deserializing it".into()))
+}
+
+/// The serialized component of the entry open as `file`, read into memory and checked.
+fn read_checked_copy(file: &std::fs::File) -> Result<Vec<u8>, Unusable> {
+    use std::io::{Read, Seek, SeekFrom};
+    let broken = |e: std::io::Error| Unusable::Broken(e.to_string());
+    let mut reader = file;
+    reader.seek(SeekFrom::Start(0)).map_err(broken)?;
+    let mut bytes = Vec::new();
+    reader.take(MAX_ENTRY_BYTES).read_to_end(&mut bytes).map_err(broken)?;
+    let len = bytes.len() as u64;
+    verify(std::io::Cursor::new(&bytes), len)?;
+    bytes.truncate(bytes.len() - ENTRY_TRAILER);
+    Ok(bytes)
 }
 
 /// A path that opens the same file as `file` does, where the platform has one.
@@ -352,13 +372,12 @@ fn open_entry(path: &Path) -> Result<Option<std::fs::File>, Unusable> {
     Ok(Some(file))
 }
 
-/// Checks the trailer of the entry open as `file` (`len` bytes long) against what precedes it.
-fn verify(file: &std::fs::File, len: u64) -> Result<(), Unusable> {
-    use std::io::{Read, Seek, SeekFrom};
+/// Checks the trailer of an entry (`len` bytes, read from `reader`) against what precedes it.
+fn verify(mut reader: impl std::io::Read + std::io::Seek, len: u64) -> Result<(), Unusable> {
+    use std::io::SeekFrom;
     let broken = |e: std::io::Error| Unusable::Broken(e.to_string());
     let Some(payload) = len.checked_sub(ENTRY_TRAILER as u64) else { return Err(Unusable::OtherFormat) };
     let mut trailer = [0u8; ENTRY_TRAILER];
-    let mut reader = file;
     reader.seek(SeekFrom::Start(payload)).map_err(broken)?;
     reader.read_exact(&mut trailer).map_err(broken)?;
     if &trailer[32..] != ENTRY_MAGIC {
