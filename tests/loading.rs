@@ -135,25 +135,39 @@ async fn a_cached_plugin_runs_from_its_entry_mapped_not_copied() {
 /// needs root, as the directory-ownership tests above do.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cache_on_a_noexec_mount_is_used_from_a_copy() {
-    let (plugins, mount) = (notes_dir(), private_dir());
-    let mounted = std::process::Command::new("mount")
-        .args(["-t", "tmpfs", "-o", "noexec,mode=0700", "tmpfs"])
-        .arg(mount.path())
-        .status()
-        .expect("mount runs");
-    assert!(mounted.success(), "this test mounts a noexec tmpfs, which needs root");
-    let cache = mount.path().join("cache");
-    let loads = async {
-        assert_eq!(load_notes(plugins.path(), &cache).await, CompileSource::Compiled);
-        let runtime = Runtime::load(dir_options(plugins.path(), Some(&cache))).await.unwrap();
-        let compiled = runtime.plugin("notes").unwrap().compiled;
-        add_a_note(&runtime).await;
-        compiled
+    let (plugins, dir) = (notes_dir(), private_dir());
+    let mount = NoexecMount::new(dir.path());
+    let cache = mount.0.join("cache");
+    assert_eq!(load_notes(plugins.path(), &cache).await, CompileSource::Compiled);
+    let runtime = Runtime::load(dir_options(plugins.path(), Some(&cache))).await.unwrap();
+    let compiled = runtime.plugin("notes").unwrap().compiled;
+    assert_eq!(compiled, CompileSource::Cached, "an entry on a noexec mount was compiled again");
+    add_a_note(&runtime).await;
+}
+
+/// A `noexec` tmpfs mounted at a directory, unmounted when dropped, so that a failed
+/// assertion does not leave it mounted.
+struct NoexecMount(PathBuf);
+
+impl NoexecMount {
+    fn new(at: &Path) -> NoexecMount {
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "noexec,mode=0700", "tmpfs"])
+            .arg(at)
+            .status()
+            .expect("mount runs");
+        assert!(mounted.success(), "this test mounts a noexec tmpfs, which needs root");
+        NoexecMount(at.to_path_buf())
     }
-    .await;
-    let unmounted = std::process::Command::new("umount").arg(mount.path()).status().expect("umount runs");
-    assert_eq!(loads, CompileSource::Cached, "an entry on a noexec mount was compiled again");
-    assert!(unmounted.success());
+}
+
+impl Drop for NoexecMount {
+    fn drop(&mut self) {
+        let unmounted = std::process::Command::new("umount").arg(&self.0).status();
+        if !unmounted.is_ok_and(|s| s.success()) && !std::thread::panicking() {
+            panic!("cannot unmount {}", self.0.display());
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
