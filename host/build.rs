@@ -1,12 +1,17 @@
 //! Builds the guest plugins in `guest-tools/` for `wasm32-wasip2` (installing the target with
 //! rustup when it is missing) and embeds the bundled ones in the `sagabox` binary, the way
-//! wasmtime's `crates/test-programs` builds its guests.
+//! wasmtime's `crates/test-programs` builds its guests. Plugins whose manifest says
+//! `[package.metadata.sagabox] wasi = false` (the bundled tools) are built for
+//! `wasm32-unknown-unknown` too and made components here, and that build is the one bundled:
+//! a component imports only what it uses, and every import is linked at each call's
+//! instantiation.
 //!
 //! Output for the crate:
 //! - `$OUT_DIR/bundled.rs`: `BUNDLED: &[BundledPlugin]`, every `guest-tools/plugins/<name>`
 //!   as its `.wasm` bytes and `policy.toml` text;
 //! - env `SAGABOX_GUEST_ARTIFACTS`: the directory holding every built `.wasm`, the malformed
-//!   test plugins of `guest-tools/fixtures/` included (for tests).
+//!   test plugins of `guest-tools/fixtures/` included (for tests); the plugins built without
+//!   WASI are their components.
 
 use std::env;
 use std::fmt::Write as _;
@@ -14,6 +19,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const TARGET: &str = "wasm32-wasip2";
+/// For plugins that need no WASI.
+const BARE_TARGET: &str = "wasm32-unknown-unknown";
 
 fn main() {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
@@ -28,17 +35,71 @@ fn main() {
     println!("cargo:rerun-if-changed={}", root.join("wit").display());
     println!("cargo:rerun-if-env-changed=CARGO_TARGET_DIR");
 
-    ensure_target();
+    ensure_target(TARGET);
+    ensure_target(BARE_TARGET);
     let target_dir = env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .map(|d| if d.is_relative() { root.join(d) } else { d })
         .unwrap_or_else(|| root.join("target"))
         .join("guest-tools");
-    build_guests(&guests, &target_dir);
+    build_guests(&guests, &target_dir, TARGET, &[]);
+    let mut bare = plugins_without_wasi(&guests.join("plugins"));
+    bare.extend(plugins_without_wasi(&guests.join("fixtures")));
+    build_guests(&guests, &target_dir, BARE_TARGET, &bare);
 
+    // The plugins built without WASI replace their WASI builds among the artifacts.
     let artifacts = target_dir.join(TARGET).join("release");
+    for package in &bare {
+        let file = format!("{}.wasm", package.replace('-', "_"));
+        let module = target_dir.join(BARE_TARGET).join("release").join(&file);
+        write_if_changed(&artifacts.join(&file), &componentize(&module));
+    }
     println!("cargo:rustc-env=SAGABOX_GUEST_ARTIFACTS={}", artifacts.display());
     write_bundled(&guests.join("plugins"), &artifacts);
+}
+
+/// The package names of the plugins in `dir` whose manifest says
+/// `[package.metadata.sagabox] wasi = false`.
+fn plugins_without_wasi(dir: &Path) -> Vec<String> {
+    let mut names = Vec::new();
+    for crate_dir in plugin_dirs(dir) {
+        let path = dir.join(&crate_dir).join("Cargo.toml");
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
+        let manifest: toml::Table = text.parse().unwrap_or_else(|e| fail(&format!("{}: {e}", path.display())));
+        let package = manifest.get("package");
+        let wasi = package
+            .and_then(|p| p.get("metadata"))
+            .and_then(|m| m.get("sagabox"))
+            .and_then(|s| s.get("wasi"))
+            .and_then(toml::Value::as_bool);
+        if wasi == Some(false) {
+            let name = package.and_then(|p| p.get("name")).and_then(toml::Value::as_str);
+            names.push(name.unwrap_or_else(|| fail(&format!("{}: no package name", path.display()))).to_string());
+        }
+    }
+    names
+}
+
+/// The component of the core module at `path`, built from the interfaces its bindings
+/// embedded.
+fn componentize(path: &Path) -> Vec<u8> {
+    let module = std::fs::read(path).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
+    wit_component::ComponentEncoder::default()
+        .validate(true)
+        .module(&module)
+        .and_then(|mut encoder| encoder.encode())
+        .unwrap_or_else(|e| fail(&format!("cannot make a component of {}: {e:#}", path.display())))
+}
+
+/// Writes `bytes` to `path` unless it holds them already. The file is replaced, not written
+/// in place: cargo hard-links its artifacts, and the other link must keep the core module.
+fn write_if_changed(path: &Path, bytes: &[u8]) {
+    if std::fs::read(path).is_ok_and(|old| old == bytes) {
+        return;
+    }
+    let _ = std::fs::remove_file(path);
+    std::fs::write(path, bytes).unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", path.display())));
 }
 
 /// Fails the build with a message saying what to do.
@@ -47,8 +108,8 @@ fn fail(message: &str) -> ! {
     std::process::exit(1);
 }
 
-/// Adds the wasm32-wasip2 standard library with rustup when this toolchain lacks it.
-fn ensure_target() {
+/// Adds `target`'s standard library with rustup when this toolchain lacks it.
+fn ensure_target(target: &str) {
     let rustc = env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
     let sysroot = Command::new(&rustc)
         .args(["--print", "sysroot"])
@@ -57,39 +118,46 @@ fn ensure_target() {
         .filter(|o| o.status.success())
         .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
         .unwrap_or_else(|| fail(&format!("cannot run `{rustc} --print sysroot`")));
-    if sysroot.join("lib/rustlib").join(TARGET).exists() {
+    if sysroot.join("lib/rustlib").join(target).exists() {
         return;
     }
-    eprintln!("the {TARGET} target is missing: installing it with rustup");
+    eprintln!("the {target} target is missing: installing it with rustup");
     let mut rustup = Command::new("rustup");
-    rustup.args(["target", "add", TARGET]);
+    rustup.args(["target", "add", target]);
     if let Ok(toolchain) = env::var("RUSTUP_TOOLCHAIN") {
         rustup.args(["--toolchain", &toolchain]);
     }
     match rustup.status() {
         Ok(s) if s.success() => {}
         Ok(s) => {
-            fail(&format!("`rustup target add {TARGET}` failed ({s}); install the target by hand and build again"))
+            fail(&format!("`rustup target add {target}` failed ({s}); install the target by hand and build again"))
         }
         Err(e) => fail(&format!(
-            "the {TARGET} target is missing and rustup could not be run ({e}); \
+            "the {target} target is missing and rustup could not be run ({e}); \
              install the target for this toolchain and build again"
         )),
     }
 }
 
-/// Runs `cargo build --release --target wasm32-wasip2` on the guest workspace, in its own
-/// target directory, with none of the outer build's flags or wrappers (clippy's included),
-/// so that `cargo build`, `cargo test` and `cargo clippy` all share one guest build.
-fn build_guests(guests: &Path, target_dir: &Path) {
+/// Runs `cargo build --release --target <target>` on the guest workspace (on `packages`
+/// alone when some are named), in its own target directory, with none of the outer build's
+/// flags or wrappers (clippy's included), so that `cargo build`, `cargo test` and
+/// `cargo clippy` all share one guest build.
+fn build_guests(guests: &Path, target_dir: &Path, target: &str, packages: &[String]) {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     // From guest-tools/, so that its .cargo/config.toml (the guests' link options) applies.
     cmd.current_dir(guests);
-    cmd.args(["build", "--release", "--target", TARGET, "--workspace", "--manifest-path"])
+    cmd.args(["build", "--release", "--target", target, "--manifest-path"])
         .arg(guests.join("Cargo.toml"))
         .arg("--target-dir")
         .arg(target_dir);
+    if packages.is_empty() {
+        cmd.arg("--workspace");
+    }
+    for package in packages {
+        cmd.args(["--package", package]);
+    }
     for (key, _) in env::vars_os() {
         let key = key.to_string_lossy();
         let inherited = key.starts_with("CARGO_ENCODED_")
@@ -112,13 +180,7 @@ fn build_guests(guests: &Path, target_dir: &Path) {
 
 /// Writes `bundled.rs`, embedding every plugin of `guest-tools/plugins/`.
 fn write_bundled(plugins: &Path, artifacts: &Path) {
-    let mut names: Vec<String> = std::fs::read_dir(plugins)
-        .unwrap_or_else(|e| fail(&format!("cannot list {}: {e}", plugins.display())))
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().join("Cargo.toml").exists())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
+    let names = plugin_dirs(plugins);
     let mut code = String::from("pub static BUNDLED: &[BundledPlugin] = &[\n");
     for name in names {
         let wasm = artifacts.join(format!("{}.wasm", name.replace('-', "_")));
@@ -141,4 +203,16 @@ fn write_bundled(plugins: &Path, artifacts: &Path) {
     code.push_str("];\n");
     let out = PathBuf::from(env::var("OUT_DIR").unwrap()).join("bundled.rs");
     std::fs::write(&out, code).unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", out.display())));
+}
+
+/// The directories of `dir` that hold a crate, sorted.
+fn plugin_dirs(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| fail(&format!("cannot list {}: {e}", dir.display())))
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("Cargo.toml").exists())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
 }

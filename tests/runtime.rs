@@ -125,6 +125,66 @@ async fn the_host_environment_never_reaches_a_plugin() {
     assert!(matches!(named.result, Err(CallError::Rejected { .. })), "{:?}", named.result);
 }
 
+/// The interfaces a component imports (its instance imports, nested components' included).
+fn imported_interfaces(component: &[u8]) -> Vec<String> {
+    let mut names = Vec::new();
+    for payload in wasmparser::Parser::new(0).parse_all(component) {
+        if let Ok(wasmparser::Payload::ComponentImportSection(section)) = payload {
+            for import in section {
+                let import = import.unwrap();
+                if matches!(import.ty, wasmparser::ComponentTypeRef::Instance(_)) {
+                    names.push(import.name.name.to_string());
+                }
+            }
+        }
+    }
+    names
+}
+
+/// The bundled tools need no WASI and are built without it (host/build.rs): each import is
+/// linked at every call's instantiation, and a WASI build of a Rust plugin imports 19
+/// functions of it it never calls. Only `hostile`, which tests what WASI lets a plugin reach,
+/// keeps it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_bundled_tools_import_only_their_store_log_and_stderr() {
+    let runtime = runtime().await;
+    let allowed =
+        ["sagabox:plugin/store@", "sagabox:plugin/log@", "wasi:cli/stderr@", "wasi:io/streams@", "wasi:io/error@"];
+    let mut checked = 0;
+    for plugin in runtime.plugins().filter(|p| p.name != "hostile") {
+        let wasm = sagabox::runtime::bundled_wasm(&plugin.name).expect("a bundled plugin");
+        let imports = imported_interfaces(wasm);
+        assert!(imports.iter().any(|i| i.starts_with("sagabox:plugin/store@")), "{}: {imports:?}", plugin.name);
+        for import in &imports {
+            assert!(allowed.iter().any(|a| import.starts_with(a)), "{} imports {import}", plugin.name);
+        }
+        checked += 1;
+    }
+    assert!(checked >= 10, "only {checked} bundled tools checked");
+}
+
+/// Without WASI the standard library writes a panic's message nowhere; the toolkit writes it
+/// to stderr, where the host reads it into the trap's message.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plugin_built_without_wasi_still_reports_its_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    install(dir.path(), "bare_panic", "bare_panic");
+    assert!(
+        !imported_interfaces(&std::fs::read(artifact("bare_panic")).unwrap()).iter().any(|i| i.contains("environment"))
+    );
+    let runtime = runtime_with(&[dir.path()]).await;
+    let store = MemoryStore::new(travel_state());
+    let outcome = runtime.call("bare_panic.panic", &json!({ "message": "the rug" }), &context("k"), &store).await;
+    match outcome.result {
+        Err(CallError::Trap { message, .. }) => {
+            assert!(message.contains("bare_panic says: the rug"), "{message}")
+        }
+        other => panic!("expected a trap, got {other:?}"),
+    }
+    let next = runtime.call("airline.book", &book_args(1), &context("next"), &store).await;
+    assert!(next.result.is_ok(), "the call after the panic failed: {:?}", next.result);
+}
+
 /// Puts a plugin file into a directory.
 type Setup = Box<dyn Fn(&Path)>;
 

@@ -4,13 +4,14 @@
 //! heap starts empty and never has to be tidied: what a general allocator spends on
 //! splitting, coalescing and bookkeeping buys nothing. `CallHeap` hands out small blocks
 //! by size class (powers of two from 16 bytes to 32 KiB), each class a free list that
-//! reuses what was freed, the rest carved from chunks it takes from the system allocator.
-//! Blocks of more than 32 KiB, or aligned to more than 16 bytes, go to the system allocator
-//! directly. A loop that allocates and frees reuses the same blocks, so a long call's
-//! footprint follows what it holds, not all it ever allocated.
+//! reuses what was freed, the rest carved from chunks it takes from the system allocator
+//! (without WASI, from the initial memory's free part first). Blocks of more than 32 KiB, or
+//! aligned to more than 16 bytes, go to the system allocator directly. A loop that allocates
+//! and frees reuses the same blocks, so a long call's footprint follows what it holds, not
+//! all it ever allocated.
 //!
 //! Blocks it did not carve (the system allocator's) are passed back to the system allocator:
-//! the canonical ABI's `cabi_realloc` allocates with the system allocator (see
+//! with WASI, the canonical ABI's `cabi_realloc` allocates with the system allocator (see
 //! [`cabi_realloc`]), because wasi-libc frees what it receives through it with `free`, while
 //! Rust code frees the strings and lists a call receives with this heap.
 //!
@@ -166,8 +167,7 @@ impl Heap {
             return false;
         }
         let len = (self.chunk * 2).clamp(FIRST_CHUNK, MAX_CHUNK).max(size);
-        // SAFETY: `len` is non-zero and a multiple of the alignment.
-        let chunk = unsafe { System.alloc(Layout::from_size_align_unchecked(len, BLOCK_ALIGN)) };
+        let chunk = take_chunk(len);
         if chunk.is_null() {
             return false;
         }
@@ -180,9 +180,97 @@ impl Heap {
     }
 }
 
-/// The canonical ABI's allocator (`cabi_realloc`), on the system allocator: the host puts a
-/// call's arguments and imports' results in memory it returns, and both wasi-libc (with
-/// `free`) and Rust code (with the global allocator, which passes them on) free them.
+/// A chunk of `len` bytes, aligned to [`BLOCK_ALIGN`], or null.
+fn take_chunk(len: usize) -> *mut u8 {
+    let spare = platform::spare_initial_memory(len);
+    if !spare.is_null() {
+        return spare;
+    }
+    // SAFETY: `len` is non-zero and a multiple of the alignment.
+    unsafe { System.alloc(Layout::from_size_align_unchecked(len, BLOCK_ALIGN)) }
+}
+
+/// Plugins built without WASI (`wasm32-unknown-unknown`, which the bundled tools are: README,
+/// "Rust"). There, Rust's system allocator takes all its memory with `memory.grow` and never
+/// uses the free part of the initial memory (wasi-libc's `malloc` does), so every call would
+/// grow its memory, and resetting a grown memory's pooled slot costs two `mprotect`s and a
+/// TLB shoot-down on every core.
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+mod platform {
+    use super::BLOCK_ALIGN;
+    use std::alloc::Layout;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    unsafe extern "C" {
+        /// Where the linker put the end of the stack and the data: the initial memory's free
+        /// part starts here.
+        static __heap_base: u8;
+    }
+
+    /// The start of the initial memory's part not yet handed out; 0 before the first chunk.
+    /// (An instance serves one call on one thread: relaxed loads and stores suffice.)
+    static SPARE: AtomicUsize = AtomicUsize::new(0);
+
+    /// `len` bytes of the initial memory's free part, or null when too few are left.
+    pub fn spare_initial_memory(len: usize) -> *mut u8 {
+        let mut start = SPARE.load(Ordering::Relaxed);
+        if start == 0 {
+            start = ((&raw const __heap_base) as usize).next_multiple_of(BLOCK_ALIGN);
+        }
+        let end = core::arch::wasm32::memory_size::<0>() * 65536;
+        if end.saturating_sub(start) < len {
+            return std::ptr::null_mut();
+        }
+        SPARE.store(start + len, Ordering::Relaxed);
+        start as *mut u8
+    }
+
+    /// Nothing frees with `free` here: the canonical ABI's blocks come from the call's heap
+    /// (the global allocator).
+    ///
+    /// # Safety
+    /// As [`super::cabi_realloc`], with `new_size` non-zero.
+    pub unsafe fn abi_realloc(block: *mut u8, old: Layout, new_size: usize) -> *mut u8 {
+        unsafe {
+            if old.size() == 0 {
+                std::alloc::alloc(Layout::from_size_align_unchecked(new_size, old.align()))
+            } else {
+                std::alloc::realloc(block, old, new_size)
+            }
+        }
+    }
+}
+
+#[cfg(not(all(target_arch = "wasm32", target_os = "unknown")))]
+mod platform {
+    use std::alloc::{GlobalAlloc, Layout, System};
+
+    /// With WASI (or natively) the system allocator already uses the initial memory.
+    pub fn spare_initial_memory(_len: usize) -> *mut u8 {
+        std::ptr::null_mut()
+    }
+
+    /// wasi-libc frees what it receives through the canonical ABI (the environment) with
+    /// `free`: its blocks come from the system allocator.
+    ///
+    /// # Safety
+    /// As [`super::cabi_realloc`], with `new_size` non-zero.
+    pub unsafe fn abi_realloc(block: *mut u8, old: Layout, new_size: usize) -> *mut u8 {
+        unsafe {
+            if old.size() == 0 {
+                System.alloc(Layout::from_size_align_unchecked(new_size, old.align()))
+            } else {
+                System.realloc(block, old, new_size)
+            }
+        }
+    }
+}
+
+/// The canonical ABI's allocator (`cabi_realloc`). The host puts a call's arguments and
+/// imports' results in memory it returns, and Rust code frees them with the global
+/// allocator, which passes blocks it did not carve on to the system allocator. With WASI it
+/// is the system allocator, since wasi-libc frees what it receives (the environment) with
+/// `free`; without WASI nothing does, and the call's heap serves it.
 ///
 /// # Safety
 /// As the canonical ABI's `realloc`: `block` is null with `old_size` 0, or a block it
@@ -192,13 +280,8 @@ pub unsafe fn cabi_realloc(block: *mut u8, old_size: usize, align: usize, new_si
         // A zero-sized value needs no memory, only an aligned address.
         return align as *mut u8;
     }
-    let moved = unsafe {
-        if old_size == 0 {
-            System.alloc(Layout::from_size_align_unchecked(new_size, align))
-        } else {
-            System.realloc(block, Layout::from_size_align_unchecked(old_size, align), new_size)
-        }
-    };
+    // SAFETY: the caller's contract; `new_size` is non-zero.
+    let moved = unsafe { platform::abi_realloc(block, Layout::from_size_align_unchecked(old_size, align), new_size) };
     if moved.is_null() {
         // Address 0 would be a valid place to write for the host: stop instead.
         std::process::abort();

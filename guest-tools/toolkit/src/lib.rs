@@ -80,6 +80,12 @@ macro_rules! export_plugin {
             unsafe { $crate::call_heap::cabi_realloc(block, old_size, align, new_size) }
         }
 
+        /// Without WASI the standard library prints a panic's message nowhere.
+        fn on_panic_report_to_stderr() {
+            #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+            ::std::panic::set_hook(::std::boxed::Box::new($crate::report_panic));
+        }
+
         use exports::sagabox::plugin::tool as wit_tool;
         use sagabox::plugin::store as wit_store;
 
@@ -126,6 +132,7 @@ macro_rules! export_plugin {
 
         impl wit_tool::Guest for Shell {
             fn manifest() -> Vec<wit_tool::ToolInfo> {
+                on_panic_report_to_stderr();
                 <$plugin as $crate::Plugin>::manifest()
                     .into_iter()
                     .map(|spec| wit_tool::ToolInfo {
@@ -143,6 +150,7 @@ macro_rules! export_plugin {
                 args: String,
                 context: wit_tool::CallContext,
             ) -> Result<String, wit_tool::ToolError> {
+                on_panic_report_to_stderr();
                 let ctx = $crate::Context {
                     saga_id: context.saga_id,
                     step_id: context.step_id,
@@ -162,6 +170,17 @@ macro_rules! export_plugin {
 
         export!(Shell);
     };
+}
+
+/// Writes a panic's message to WASI's stderr, as the standard library does on
+/// `wasm32-wasip2`: the host keeps a guest's first stderr bytes for the trap's message.
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+pub fn report_panic(info: &std::panic::PanicHookInfo<'_>) {
+    let message = format!("{info}\n");
+    let stderr = wasip2::cli::stderr::get_stderr();
+    // At most 4,096 bytes per write; the host keeps fewer than that.
+    let head = &message.as_bytes()[..message.len().min(4096)];
+    let _ = stderr.blocking_write_and_flush(head);
 }
 
 /// Parses a call's JSON arguments.
