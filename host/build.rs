@@ -35,19 +35,21 @@ fn main() {
     println!("cargo:rerun-if-changed={}", root.join("wit").display());
     println!("cargo:rerun-if-env-changed=CARGO_TARGET_DIR");
 
-    ensure_target(TARGET);
-    ensure_target(BARE_TARGET);
     let target_dir = env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .map(|d| if d.is_relative() { root.join(d) } else { d })
         .unwrap_or_else(|| root.join("target"))
         .join("guest-tools");
-    build_guests(&guests, &target_dir, TARGET, &[]);
     let mut bare = plugins_without_wasi(&guests.join("plugins"));
     bare.extend(plugins_without_wasi(&guests.join("fixtures")));
-    build_guests(&guests, &target_dir, BARE_TARGET, &bare);
+    ensure_target(TARGET);
+    build_guests(&guests, &target_dir, TARGET, Packages::AllBut(&bare));
+    if !bare.is_empty() {
+        ensure_target(BARE_TARGET);
+        build_guests(&guests, &target_dir, BARE_TARGET, Packages::Only(&bare));
+    }
 
-    // The plugins built without WASI replace their WASI builds among the artifacts.
+    // The plugins built without WASI join the others' artifacts, as components.
     let artifacts = target_dir.join(TARGET).join("release");
     for package in &bare {
         let file = format!("{}.wasm", package.replace('-', "_"));
@@ -92,14 +94,17 @@ fn componentize(path: &Path) -> Vec<u8> {
         .unwrap_or_else(|e| fail(&format!("cannot make a component of {}: {e:#}", path.display())))
 }
 
-/// Writes `bytes` to `path` unless it holds them already. The file is replaced, not written
-/// in place: cargo hard-links its artifacts, and the other link must keep the core module.
+/// Writes `bytes` to `path` unless it holds them already, through a file renamed over it: a
+/// build running at the same time (`cargo test` beside `cargo clippy`) reads the old file or
+/// the new one, never half of one.
 fn write_if_changed(path: &Path, bytes: &[u8]) {
     if std::fs::read(path).is_ok_and(|old| old == bytes) {
         return;
     }
-    let _ = std::fs::remove_file(path);
-    std::fs::write(path, bytes).unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", path.display())));
+    let partial = path.with_extension(format!("wasm.{}.partial", std::process::id()));
+    std::fs::write(&partial, bytes)
+        .and_then(|()| std::fs::rename(&partial, path))
+        .unwrap_or_else(|e| fail(&format!("cannot write {}: {e}", path.display())));
 }
 
 /// Fails the build with a message saying what to do.
@@ -139,11 +144,17 @@ fn ensure_target(target: &str) {
     }
 }
 
-/// Runs `cargo build --release --target <target>` on the guest workspace (on `packages`
-/// alone when some are named), in its own target directory, with none of the outer build's
-/// flags or wrappers (clippy's included), so that `cargo build`, `cargo test` and
-/// `cargo clippy` all share one guest build.
-fn build_guests(guests: &Path, target_dir: &Path, target: &str, packages: &[String]) {
+/// Which of the guest workspace's packages a build builds.
+enum Packages<'a> {
+    AllBut(&'a [String]),
+    Only(&'a [String]),
+}
+
+/// Runs `cargo build --release --target <target>` on `packages` of the guest workspace, in
+/// its own target directory, with none of the outer build's flags or wrappers (clippy's
+/// included), so that `cargo build`, `cargo test` and `cargo clippy` all share one guest
+/// build.
+fn build_guests(guests: &Path, target_dir: &Path, target: &str, packages: Packages<'_>) {
     let cargo = env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
     // From guest-tools/, so that its .cargo/config.toml (the guests' link options) applies.
@@ -152,11 +163,18 @@ fn build_guests(guests: &Path, target_dir: &Path, target: &str, packages: &[Stri
         .arg(guests.join("Cargo.toml"))
         .arg("--target-dir")
         .arg(target_dir);
-    if packages.is_empty() {
-        cmd.arg("--workspace");
-    }
-    for package in packages {
-        cmd.args(["--package", package]);
+    match packages {
+        Packages::AllBut(excluded) => {
+            cmd.arg("--workspace");
+            for package in excluded {
+                cmd.args(["--exclude", package]);
+            }
+        }
+        Packages::Only(packages) => {
+            for package in packages {
+                cmd.args(["--package", package]);
+            }
+        }
     }
     for (key, _) in env::vars_os() {
         let key = key.to_string_lossy();

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use sagabox::runtime::{
     CallContext, CallError, CallOptions, CompileSource, LimitOverrides, Operator, Runtime, RuntimeOptions,
 };
-use sagabox::store::MemoryStore;
+use sagabox::store::{MemoryStore, State};
 use serde_json::{Value, json};
 use support::*;
 
@@ -163,26 +163,40 @@ async fn the_bundled_tools_import_only_their_store_log_and_stderr() {
     assert!(checked >= 10, "only {checked} bundled tools checked");
 }
 
+/// The `bare` fixture (built without WASI) loaded from a directory.
+async fn bare_runtime(dir: &Path) -> Runtime {
+    install(dir, "bare", "bare");
+    runtime_with(&[dir]).await
+}
+
 /// Without WASI the standard library writes a panic's message nowhere; the toolkit writes it
 /// to stderr, where the host reads it into the trap's message.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_plugin_built_without_wasi_still_reports_its_panic() {
+    assert!(!imported_interfaces(&std::fs::read(artifact("bare")).unwrap()).iter().any(|i| i.contains("environment")));
     let dir = tempfile::tempdir().unwrap();
-    install(dir.path(), "bare_panic", "bare_panic");
-    assert!(
-        !imported_interfaces(&std::fs::read(artifact("bare_panic")).unwrap()).iter().any(|i| i.contains("environment"))
-    );
-    let runtime = runtime_with(&[dir.path()]).await;
-    let store = MemoryStore::new(travel_state());
-    let outcome = runtime.call("bare_panic.panic", &json!({ "message": "the rug" }), &context("k"), &store).await;
+    let runtime = bare_runtime(dir.path()).await;
+    let store = MemoryStore::new(State::default());
+    let outcome = runtime.call("bare.panic", &json!({ "message": "the rug" }), &context("k"), &store).await;
     match outcome.result {
-        Err(CallError::Trap { message, .. }) => {
-            assert!(message.contains("bare_panic says: the rug"), "{message}")
-        }
+        Err(CallError::Trap { message, .. }) => assert!(message.contains("bare says: the rug"), "{message}"),
         other => panic!("expected a trap, got {other:?}"),
     }
-    let next = runtime.call("airline.book", &book_args(1), &context("next"), &store).await;
-    assert!(next.result.is_ok(), "the call after the panic failed: {:?}", next.result);
+}
+
+/// Without WASI the call heap carves its chunks from the initial memory's free part, and the
+/// system allocator grows the memory past it: 4 MB of small blocks beside a 64 KiB one take
+/// both, and no block may lie on another.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plugin_built_without_wasi_keeps_its_heap_and_its_grown_memory_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = bare_runtime(dir.path()).await;
+    let store = MemoryStore::new(State::default());
+    for blocks in [0, 10, 1000] {
+        let outcome = runtime.call("bare.churn", &json!({ "blocks": blocks }), &context("k"), &store).await;
+        let output = outcome.result.unwrap_or_else(|e| panic!("{blocks} blocks: {e}"));
+        assert_eq!(output, json!({ "blocks": blocks, "damaged": 0 }), "{blocks} blocks");
+    }
 }
 
 /// Puts a plugin file into a directory.

@@ -205,6 +205,9 @@ mod platform {
         /// Where the linker put the end of the stack and the data: the initial memory's free
         /// part starts here.
         static __heap_base: u8;
+        /// The end of the initial memory. Past it lies what the system allocator grew, which
+        /// is its own.
+        static __heap_end: u8;
     }
 
     /// The start of the initial memory's part not yet handed out; 0 before the first chunk.
@@ -217,7 +220,7 @@ mod platform {
         if start == 0 {
             start = ((&raw const __heap_base) as usize).next_multiple_of(BLOCK_ALIGN);
         }
-        let end = core::arch::wasm32::memory_size::<0>() * 65536;
+        let end = (&raw const __heap_end) as usize;
         if end.saturating_sub(start) < len {
             return std::ptr::null_mut();
         }

@@ -173,14 +173,34 @@ macro_rules! export_plugin {
 }
 
 /// Writes a panic's message to WASI's stderr, as the standard library does on
-/// `wasm32-wasip2`: the host keeps a guest's first stderr bytes for the trap's message.
+/// `wasm32-wasip2`: the host keeps a guest's first stderr bytes for the trap's message. The
+/// message is formatted on the stack: the panic may have come from the allocator.
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 pub fn report_panic(info: &std::panic::PanicHookInfo<'_>) {
-    let message = format!("{info}\n");
+    use std::fmt::Write as _;
+    let mut message = StackText { bytes: [0; 4096], len: 0 };
+    let _ = writeln!(message, "{info}");
     let stderr = wasip2::cli::stderr::get_stderr();
-    // At most 4,096 bytes per write; the host keeps fewer than that.
-    let head = &message.as_bytes()[..message.len().min(4096)];
-    let _ = stderr.blocking_write_and_flush(head);
+    // 4,096 bytes: one write's most, and as much as the host keeps.
+    let _ = stderr.blocking_write_and_flush(&message.bytes[..message.len]);
+}
+
+/// Text in a fixed buffer, cut where it is full.
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+struct StackText {
+    bytes: [u8; 4096],
+    len: usize,
+}
+
+#[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
+impl std::fmt::Write for StackText {
+    fn write_str(&mut self, text: &str) -> std::fmt::Result {
+        let room = self.bytes.len() - self.len;
+        let taken = text.len().min(room);
+        self.bytes[self.len..self.len + taken].copy_from_slice(&text.as_bytes()[..taken]);
+        self.len += taken;
+        if taken < text.len() { Err(std::fmt::Error) } else { Ok(()) }
+    }
 }
 
 /// Parses a call's JSON arguments.
