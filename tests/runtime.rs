@@ -129,7 +129,7 @@ async fn the_host_environment_never_reaches_a_plugin() {
 fn imported_interfaces(component: &[u8]) -> Vec<String> {
     let mut names = Vec::new();
     for payload in wasmparser::Parser::new(0).parse_all(component) {
-        if let Ok(wasmparser::Payload::ComponentImportSection(section)) = payload {
+        if let wasmparser::Payload::ComponentImportSection(section) = payload.expect("a valid component") {
             for import in section {
                 let import = import.unwrap();
                 if matches!(import.ty, wasmparser::ComponentTypeRef::Instance(_)) {

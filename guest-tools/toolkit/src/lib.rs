@@ -72,7 +72,8 @@ macro_rules! export_plugin {
         static CALL_HEAP: $crate::call_heap::CallHeap = $crate::call_heap::CallHeap::new();
 
         /// Replaces wit-bindgen's (weak) `cabi_realloc`, which allocates with the global
-        /// allocator: wasi-libc frees with `free` what it receives through it.
+        /// allocator: with WASI, wasi-libc frees with `free` what it receives through it
+        /// (`call_heap::cabi_realloc` says where each target's blocks come from).
         #[cfg(all(target_family = "wasm", not(target_feature = "atomics")))]
         #[unsafe(export_name = "cabi_realloc")]
         unsafe extern "C" fn cabi_realloc(block: *mut u8, old_size: usize, align: usize, new_size: usize) -> *mut u8 {
@@ -174,7 +175,8 @@ macro_rules! export_plugin {
 
 /// Writes a panic's message to WASI's stderr, as the standard library does on
 /// `wasm32-wasip2`: the host keeps a guest's first stderr bytes for the trap's message. The
-/// message is formatted on the stack: the panic may have come from the allocator.
+/// hook itself formats on the stack, adding no allocation to a panic raised inside the
+/// allocator (whose message is a static string, which the standard library does not copy).
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 pub fn report_panic(info: &std::panic::PanicHookInfo<'_>) {
     use std::fmt::Write as _;
