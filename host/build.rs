@@ -52,7 +52,7 @@ fn main() {
     // The plugins built without WASI join the others' artifacts, as components.
     let artifacts = target_dir.join(TARGET).join("release");
     for package in &bare {
-        let file = format!("{}.wasm", package.replace('-', "_"));
+        let file = artifact_file(package);
         let module = target_dir.join(BARE_TARGET).join("release").join(&file);
         write_if_changed(&artifacts.join(&file), &componentize(&module));
     }
@@ -201,7 +201,7 @@ fn write_bundled(plugins: &Path, artifacts: &Path) {
     let names = plugin_dirs(plugins);
     let mut code = String::from("pub static BUNDLED: &[BundledPlugin] = &[\n");
     for name in names {
-        let wasm = artifacts.join(format!("{}.wasm", name.replace('-', "_")));
+        let wasm = artifacts.join(artifact_file(&name));
         if !wasm.exists() {
             fail(&format!("the guest build did not produce {}", wasm.display()));
         }
@@ -233,4 +233,9 @@ fn plugin_dirs(dir: &Path) -> Vec<String> {
         .collect();
     names.sort();
     names
+}
+
+/// The file cargo writes for the `cdylib` of package `name`.
+fn artifact_file(name: &str) -> String {
+    format!("{}.wasm", name.replace('-', "_"))
 }
