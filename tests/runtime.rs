@@ -199,6 +199,27 @@ async fn a_plugin_built_without_wasi_keeps_its_heap_and_its_grown_memory_apart()
     }
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn a_plugin_built_without_wasi_fills_its_initial_memory_before_growing_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let runtime = bare_runtime(dir.path()).await;
+    let store = MemoryStore::new(State::default());
+    let pages = |kib: u64| {
+        let (runtime, store) = (&runtime, &store);
+        async move {
+            let outcome = runtime.call("bare.fill", &json!({ "kib": kib }), &context("k"), store).await;
+            let output = outcome.result.unwrap_or_else(|e| panic!("{kib} KiB: {e}"));
+            (output["pages_before"].as_u64().unwrap(), output["pages_after"].as_u64().unwrap())
+        }
+    };
+    // The free part is about 990 KiB (2 MiB of initial memory, less 1 MiB of stack and the
+    // data); the chunks doubling from 2 KiB stop fitting at 510 KiB.
+    let (before, after) = pages(800).await;
+    assert_eq!(after, before, "800 KiB of small blocks grew the memory from {before} to {after} pages");
+    let (before, after) = pages(4000).await;
+    assert!(after > before, "4,000 KiB must grow the memory past its {before} pages");
+}
+
 /// Puts a plugin file into a directory.
 type Setup = Box<dyn Fn(&Path)>;
 

@@ -166,11 +166,10 @@ impl Heap {
         if self.chunk_count == MAX_CHUNKS {
             return false;
         }
-        let len = (self.chunk * 2).clamp(FIRST_CHUNK, MAX_CHUNK).max(size);
-        let chunk = take_chunk(len);
-        if chunk.is_null() {
+        let want = (self.chunk * 2).clamp(FIRST_CHUNK, MAX_CHUNK).max(size);
+        let Some((chunk, len)) = take_chunk(size, want) else {
             return false;
-        }
+        };
         self.next = chunk as usize;
         self.end = self.next + len;
         self.chunks[self.chunk_count] = (self.next, self.end);
@@ -180,14 +179,16 @@ impl Heap {
     }
 }
 
-/// A chunk of `len` bytes, aligned to [`BLOCK_ALIGN`], or null.
-fn take_chunk(len: usize) -> *mut u8 {
-    let spare = platform::spare_initial_memory(len);
-    if !spare.is_null() {
-        return spare;
+/// A chunk aligned to [`BLOCK_ALIGN`] and its length: `want` bytes, or fewer but at least
+/// `need` when that is what the initial memory's free part has left (its last piece is used
+/// before the memory grows); `None` when nothing is left to take.
+fn take_chunk(need: usize, want: usize) -> Option<(*mut u8, usize)> {
+    if let Some(spare) = platform::spare_initial_memory(need, want) {
+        return Some(spare);
     }
-    // SAFETY: `len` is non-zero and a multiple of the alignment.
-    unsafe { System.alloc(Layout::from_size_align_unchecked(len, BLOCK_ALIGN)) }
+    // SAFETY: `want` is non-zero and a multiple of the alignment.
+    let chunk = unsafe { System.alloc(Layout::from_size_align_unchecked(want, BLOCK_ALIGN)) };
+    (!chunk.is_null()).then_some((chunk, want))
 }
 
 /// Plugins built without WASI (`wasm32-unknown-unknown`, which the bundled tools are: README,
@@ -214,18 +215,21 @@ mod platform {
     /// (An instance serves one call on one thread: relaxed loads and stores suffice.)
     static SPARE: AtomicUsize = AtomicUsize::new(0);
 
-    /// `len` bytes of the initial memory's free part, or null when too few are left.
-    pub fn spare_initial_memory(len: usize) -> *mut u8 {
+    /// `want` bytes of the initial memory's free part, or all that is left of it when that
+    /// is fewer but at least `need`; `None` when less than `need` is left.
+    pub fn spare_initial_memory(need: usize, want: usize) -> Option<(*mut u8, usize)> {
         let mut start = SPARE.load(Ordering::Relaxed);
         if start == 0 {
             start = ((&raw const __heap_base) as usize).next_multiple_of(BLOCK_ALIGN);
         }
         let end = (&raw const __heap_end) as usize;
-        if end.saturating_sub(start) < len {
-            return std::ptr::null_mut();
+        let left = end.saturating_sub(start) / BLOCK_ALIGN * BLOCK_ALIGN;
+        if left < need {
+            return None;
         }
+        let len = want.min(left);
         SPARE.store(start + len, Ordering::Relaxed);
-        start as *mut u8
+        Some((start as *mut u8, len))
     }
 
     /// Nothing frees with `free` here: the canonical ABI's blocks come from the call's heap
@@ -249,8 +253,8 @@ mod platform {
     use std::alloc::{GlobalAlloc, Layout, System};
 
     /// With WASI (or natively) the system allocator already uses the initial memory.
-    pub fn spare_initial_memory(_len: usize) -> *mut u8 {
-        std::ptr::null_mut()
+    pub fn spare_initial_memory(_need: usize, _want: usize) -> Option<(*mut u8, usize)> {
+        None
     }
 
     /// wasi-libc frees what it receives through the canonical ABI (the environment) with
