@@ -213,7 +213,8 @@ async fn a_plugin_built_without_wasi_fills_its_initial_memory_before_growing_it(
         }
     };
     // The free part is about 990 KiB (2 MiB of initial memory, less 1 MiB of stack and the
-    // data); the chunks doubling from 2 KiB stop fitting at 510 KiB.
+    // data). A heap that takes only whole chunks, doubling from 2 KiB, grows the memory past
+    // ~510 KiB: 800 lies between.
     let (before, after) = pages(800).await;
     assert_eq!(after, before, "800 KiB of small blocks grew the memory from {before} to {after} pages");
     let (before, after) = pages(4000).await;

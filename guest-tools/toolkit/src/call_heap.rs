@@ -174,14 +174,16 @@ impl Heap {
         self.end = self.next + len;
         self.chunks[self.chunk_count] = (self.next, self.end);
         self.chunk_count += 1;
-        self.chunk = len;
+        // The size asked for, not the one given: a short last piece of the initial memory
+        // must not restart the doubling from its length.
+        self.chunk = want;
         true
     }
 }
 
 /// A chunk aligned to [`BLOCK_ALIGN`] and its length: `want` bytes, or fewer but at least
 /// `need` when that is what the initial memory's free part has left (its last piece is used
-/// before the memory grows); `None` when nothing is left to take.
+/// before the memory grows); `None` when the system allocator has no memory either.
 fn take_chunk(need: usize, want: usize) -> Option<(*mut u8, usize)> {
     if let Some(spare) = platform::spare_initial_memory(need, want) {
         return Some(spare);
@@ -191,6 +193,16 @@ fn take_chunk(need: usize, want: usize) -> Option<(*mut u8, usize)> {
     (!chunk.is_null()).then_some((chunk, want))
 }
 
+/// Where a chunk of `want` bytes, or of what is left when that is fewer but at least `need`,
+/// starts in the free range `start..end`, and its length (a multiple of [`BLOCK_ALIGN`], as
+/// `need` and `want` are); `None` when less than `need` is left.
+#[cfg(any(test, all(target_arch = "wasm32", target_os = "unknown")))]
+fn carve(start: usize, end: usize, need: usize, want: usize) -> Option<(usize, usize)> {
+    let start = start.next_multiple_of(BLOCK_ALIGN);
+    let left = end.saturating_sub(start) / BLOCK_ALIGN * BLOCK_ALIGN;
+    (left >= need).then_some((start, want.min(left)))
+}
+
 /// Plugins built without WASI (`wasm32-unknown-unknown`, which the bundled tools are: README,
 /// "Rust"). There, Rust's system allocator takes all its memory with `memory.grow` and never
 /// uses the free part of the initial memory (wasi-libc's `malloc` does), so every call would
@@ -198,7 +210,7 @@ fn take_chunk(need: usize, want: usize) -> Option<(*mut u8, usize)> {
 /// TLB shoot-down on every core.
 #[cfg(all(target_arch = "wasm32", target_os = "unknown"))]
 mod platform {
-    use super::BLOCK_ALIGN;
+    use super::carve;
     use std::alloc::Layout;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -220,14 +232,9 @@ mod platform {
     pub fn spare_initial_memory(need: usize, want: usize) -> Option<(*mut u8, usize)> {
         let mut start = SPARE.load(Ordering::Relaxed);
         if start == 0 {
-            start = ((&raw const __heap_base) as usize).next_multiple_of(BLOCK_ALIGN);
+            start = (&raw const __heap_base) as usize;
         }
-        let end = (&raw const __heap_end) as usize;
-        let left = end.saturating_sub(start) / BLOCK_ALIGN * BLOCK_ALIGN;
-        if left < need {
-            return None;
-        }
-        let len = want.min(left);
+        let (start, len) = carve(start, (&raw const __heap_end) as usize, need, want)?;
         SPARE.store(start + len, Ordering::Relaxed);
         Some((start as *mut u8, len))
     }
@@ -461,6 +468,19 @@ mod tests {
         // SAFETY: `Heap` is pointers and integers, without padding.
         let bytes = unsafe { std::slice::from_raw_parts((&raw const heap).cast::<u8>(), size_of::<Heap>()) };
         assert!(bytes.iter().all(|b| *b == 0));
+    }
+
+    #[test]
+    fn the_free_parts_last_piece_is_handed_out_when_it_holds_the_block() {
+        // 1,010 bytes free from an unaligned start: 1,002 from the 16-aligned 0x1010, of
+        // which 992 in whole blocks.
+        let (start, end) = (0x1008, 0x1008 + 1010);
+        assert_eq!(carve(start, end, 64, 512), Some((0x1010, 512)), "the whole chunk fits");
+        assert_eq!(carve(start, end, 64, 4096), Some((0x1010, 992)), "what is left, rounded down");
+        assert_eq!(carve(start, end, 992, 4096), Some((0x1010, 992)), "exactly the block asked for");
+        assert_eq!(carve(start, end, 1008, 4096), None, "less than the block asked for is left");
+        assert_eq!(carve(end, end, 16, 16), None, "nothing is left");
+        assert_eq!(carve(end + 16, end, 16, 16), None, "a start past the end leaves nothing");
     }
 
     #[test]

@@ -105,9 +105,10 @@ impl Engines {
                 .max_unused_warm_slots(64)
                 // Reset a returned slot by rewriting the pages its calls have written (its
                 // private resident pages, found with PAGEMAP_SCAN, Linux 6.7+; memset/madvise
-                // elsewhere) instead of unmapping them, so the next call on the slot takes no
-                // page faults. They stay resident, so a slot keeps paying for the most any of
-                // its calls wrote, up to this bound (1 MiB measured no different on tau-bench).
+                // elsewhere) instead of unmapping them, so the next call on the slot does not
+                // fault them in again. They stay resident, so every reset of a slot rewrites
+                // every page any of its calls wrote, up to this bound (1 MiB measured no
+                // different on tau-bench: BENCHMARKS item 22).
                 .pagemap_scan(wasmtime::Enabled::Auto)
                 .linear_memory_keep_resident(16 << 20)
                 .table_keep_resident(1 << 20)
