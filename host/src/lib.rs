@@ -28,3 +28,8 @@ pub(crate) mod bundled {
     use crate::runtime::BundledPlugin;
     include!(concat!(env!("OUT_DIR"), "/bundled.rs"));
 }
+
+/// The integration tests' PostgreSQL server and schemas, for the backend's own unit tests.
+#[cfg(test)]
+#[path = "../../tests/support/postgres.rs"]
+mod test_postgres;
