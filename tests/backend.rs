@@ -448,6 +448,32 @@ fn the_queue_hands_each_run_to_one_claimer_and_leases_renew(open: Open) {
     assert!(b.claim_runs(lease + 2, lease + 10_000, 100).unwrap().is_empty(), "a process took back its own runs");
 }
 
+/// Claims take queued runs and runs whose holder's lease ran out in one order, oldest first,
+/// whichever kind they are, and never more than asked for.
+fn claims_take_queued_and_expired_runs_oldest_first(open: Open) {
+    let subject = open(&pools());
+    let backend = &subject.backend;
+    let now = now_ms();
+    let expired =
+        |id: &str| RunRecord { owner: "elsewhere/1/0".into(), pid: 1, lease_until_ms: Some(now - 1), ..record(id) };
+    // Registered in this order, a few milliseconds apart: their start times order them.
+    let order = ["e1", "q1", "q2", "e2", "q3", "e3"];
+    for id in order {
+        let run = if id.starts_with('e') { expired(id) } else { record(id).queued() };
+        backend.register_run(&run).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(3));
+    }
+    let lease = now + 30_000;
+    let mut taken = Vec::new();
+    for limit in [1, 2, 1, 5] {
+        let got = backend.claim_runs(now, lease, limit).unwrap();
+        assert!(got.len() <= limit, "{} runs for a claim of {limit}", got.len());
+        taken.extend(got.into_iter().map(|r| r.run_id));
+    }
+    assert_eq!(taken, order, "claims out of order");
+    assert!(backend.claim_runs(now, lease, 5).unwrap().is_empty());
+}
+
 /// A fence: once another process holds a run (this one stalled past its lease, and the
 /// other took the run over), this process's writes of it are refused and write nothing,
 /// records it held back are dropped without failing other runs' commits, and its end does
@@ -530,6 +556,7 @@ macro_rules! conformance {
                 a_commit_that_writes_nothing_never_hides_another_handles_commit,
                 of_two_handles_only_one_adopts_a_run_and_one_delivery_commits,
                 the_queue_hands_each_run_to_one_claimer_and_leases_renew,
+                claims_take_queued_and_expired_runs_oldest_first,
                 a_run_another_process_took_over_gets_nothing_more_from_this_one,
             );
         }

@@ -527,3 +527,39 @@ fn the_command_lines_allocator_keeps_one_arena_per_cpu() {
     let stats = stderr(&out);
     assert!(stats.contains("opt.percpu_arena: \"percpu\""), "jemalloc's options: {}", &stats[..stats.len().min(2000)]);
 }
+
+/// A benchmark interrupted (Ctrl-C, SIGTERM) removes the PostgreSQL schemas and SQLite
+/// databases its durable group made: they used to stay, one schema per measurement.
+#[test]
+fn an_interrupted_benchmark_removes_the_databases_it_made() {
+    let temp = tempfile::tempdir().unwrap();
+    let mut bench = Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        .args(["bench", "--only", "durable", "--sagas", "100000", "--sagas-dir"])
+        .arg(sagas_dir())
+        .args(["--pg-url", &postgres::server_url()])
+        .env("SAGABOX_CACHE_DIR", shared_cache())
+        .env("TMPDIR", temp.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("sagabox runs");
+    let schemas = format!("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'sagabox\\_bench\\_%\\_{}'", bench.id());
+    let started = std::time::Instant::now();
+    // It makes two SQLite databases, then two schemas, before it measures anything.
+    while postgres::query(&schemas).len() < 2 {
+        assert!(started.elapsed().as_secs() < 120, "no schemas after two minutes");
+        assert!(bench.try_wait().unwrap().is_none(), "the benchmark ended before it made its schemas");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let databases = || -> Vec<String> {
+        let entries = std::fs::read_dir(temp.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap());
+        entries.filter(|name| name.starts_with("sagabox-bench-")).collect()
+    };
+    assert_eq!(databases().len(), 2, "its two SQLite databases");
+    // SAFETY: a signal to the child this test started and has not yet waited for.
+    assert_eq!(unsafe { libc::kill(bench.id() as i32, libc::SIGINT) }, 0);
+    let out = bench.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
+    assert_eq!(postgres::query(&schemas), Vec::<String>::new(), "schemas left behind");
+    assert_eq!(databases(), Vec::<String>::new(), "SQLite databases left behind");
+}

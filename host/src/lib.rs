@@ -31,5 +31,6 @@ pub(crate) mod bundled {
 
 /// The integration tests' PostgreSQL server and schemas, for the backend's own unit tests.
 #[cfg(test)]
+#[allow(dead_code)]
 #[path = "../../tests/support/postgres.rs"]
 mod test_postgres;

@@ -50,6 +50,17 @@ pub fn execute(sql: &str) {
 
 /// Runs `sql` on the server (on a thread of its own: callers may be inside a runtime).
 pub fn try_execute(sql: &str) -> Result<(), String> {
+    try_query(sql).map(|_| ())
+}
+
+/// The first column, as text, of the rows `sql` returns; fails the test if it cannot.
+pub fn query(sql: &str) -> Vec<String> {
+    try_query(sql).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Runs `sql` (one statement or several) on the server, on a thread of its own, and returns
+/// the first column of the rows it returns, as text.
+pub fn try_query(sql: &str) -> Result<Vec<String>, String> {
     let (url, sql) = (server_url(), sql.to_string());
     let worker = std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
@@ -61,7 +72,12 @@ pub fn try_execute(sql: &str) -> Result<(), String> {
                 )
             })?;
             tokio::spawn(connection);
-            client.batch_execute(&sql).await.map_err(|e| format!("{sql}: {e}"))
+            let messages = client.simple_query(&sql).await.map_err(|e| format!("{sql}: {e}"))?;
+            let first = |m: &tokio_postgres::SimpleQueryMessage| match m {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_string),
+                _ => None,
+            };
+            Ok(messages.iter().filter_map(first).collect())
         })
     });
     worker.join().unwrap_or_else(|_| Err("the PostgreSQL helper thread panicked".into()))

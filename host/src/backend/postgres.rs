@@ -74,6 +74,8 @@ CREATE INDEX runs_queue ON runs (status, started_ms, run_id);
 /// Each kind is read off `runs_queue` in order and stops at the limit, so a claim costs the
 /// same however long the queue is (one `WHERE queued OR expired` sorted every queued run, on
 /// every claim: 48 ms at 40,000). SKIP LOCKED: workers claiming at once take different runs.
+/// When both kinds are there, the statement locks up to $5 of each and takes the oldest $5:
+/// until it ends, another claimer skips the rest (they stay claimable).
 fn claim_sql() -> String {
     format!(
         "WITH queued AS (
@@ -959,7 +961,10 @@ mod tests {
         // The statement's nodes (not its planning): the top one counts its children's.
         let executing = plan.iter().take_while(|line| !line.trim_start().starts_with("Planning"));
         let read = |counts: &str| -> u64 {
-            let count = |c: &str| c.strip_prefix("hit=").or(c.strip_prefix("read="))?.parse::<u64>().ok();
+            let count = |c: &str| {
+                let c = c.trim_end_matches(',');
+                c.strip_prefix("hit=").or(c.strip_prefix("read="))?.parse::<u64>().ok()
+            };
             counts.split_whitespace().filter_map(count).sum()
         };
         let buffers = executing.filter_map(|line| line.split("Buffers: shared").nth(1)).map(read).max().unwrap_or(0);

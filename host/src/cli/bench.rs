@@ -258,6 +258,13 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
     let wants = |group: &str| args.only.is_empty() || args.only.iter().any(|g| g == group);
     let cache = plugin_args.options().cache_dir;
     let runtime = Arc::new(plugin_args.load().await?);
+    // Interrupted, it still removes the databases it made (the durable group's).
+    tokio::spawn(async {
+        super::serve::shutdown_signal().await;
+        eprintln!("interrupted: removing the benchmark's databases");
+        let _ = tokio::task::spawn_blocking(super::bench_durable::remove_leftovers).await;
+        std::process::exit(130);
+    });
     let mut results = Vec::new();
     let mut rates: Vec<(String, f64)> = Vec::new();
     let mut peers = Vec::new();

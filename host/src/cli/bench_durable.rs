@@ -4,7 +4,7 @@
 
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use sagabox::backend::{self, Backend, Durability, RunRecord};
@@ -60,27 +60,64 @@ impl Fresh {
 
 impl Drop for Fresh {
     fn drop(&mut self) {
-        let cleaned = match self {
-            Fresh::Sqlite(dir, _) => std::fs::remove_dir_all(dir).map_err(anyhow::Error::from),
+        let leftover = match self {
+            Fresh::Sqlite(dir, _) => Leftover::Dir(dir.clone()),
             Fresh::Postgres { server, schema, .. } => {
+                Leftover::Schema { server: server.clone(), schema: schema.clone() }
+            }
+        };
+        lock(&LEFTOVERS).retain(|l| *l != leftover);
+        leftover.remove();
+    }
+}
+
+/// A fresh database not yet removed.
+#[derive(Clone, PartialEq)]
+enum Leftover {
+    Dir(std::path::PathBuf),
+    Schema { server: String, schema: String },
+}
+
+/// The fresh databases made and not yet removed, for [`remove_leftovers`].
+static LEFTOVERS: Mutex<Vec<Leftover>> = Mutex::new(Vec::new());
+
+impl Leftover {
+    fn remove(&self) {
+        let removed = match self {
+            Leftover::Dir(dir) => std::fs::remove_dir_all(dir).map_err(anyhow::Error::from),
+            Leftover::Schema { server, schema } => {
                 pg_execute(server, &format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
             }
         };
-        if let Err(e) = cleaned {
+        if let Err(e) = removed {
             eprintln!("warning: cannot remove the benchmark's database: {e}");
         }
+    }
+}
+
+fn lock(leftovers: &Mutex<Vec<Leftover>>) -> std::sync::MutexGuard<'_, Vec<Leftover>> {
+    leftovers.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Removes every fresh database still there: an interrupted benchmark (Ctrl-C, SIGTERM)
+/// exits without unwinding, so their `Drop`s never run.
+pub fn remove_leftovers() {
+    for leftover in std::mem::take(&mut *lock(&LEFTOVERS)) {
+        leftover.remove();
     }
 }
 
 fn fresh_sqlite(durability: Durability) -> anyhow::Result<Fresh> {
     let dir = std::env::temp_dir().join(format!("sagabox-bench-{}", sagabox::ids::new_run_id()));
     std::fs::create_dir_all(&dir)?;
+    lock(&LEFTOVERS).push(Leftover::Dir(dir.clone()));
     Ok(Fresh::Sqlite(dir, durability))
 }
 
 fn fresh_postgres(server: &str, tag: &str, durability: Durability) -> anyhow::Result<Fresh> {
     let schema = format!("sagabox_bench_{tag}_{}", std::process::id());
     pg_execute(server, &format!("DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"))?;
+    lock(&LEFTOVERS).push(Leftover::Schema { server: server.to_string(), schema: schema.clone() });
     Ok(Fresh::Postgres { server: server.to_string(), schema, durability })
 }
 

@@ -146,7 +146,7 @@ pub async fn run(plugin_args: &PluginArgs, args: Args) -> anyhow::Result<Outcome
 }
 
 /// SIGINT or SIGTERM.
-async fn shutdown_signal() {
+pub(super) async fn shutdown_signal() {
     let interrupt = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
