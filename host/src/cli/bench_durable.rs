@@ -58,14 +58,27 @@ impl Fresh {
     }
 }
 
-impl Drop for Fresh {
-    fn drop(&mut self) {
-        let leftover = match self {
+impl Fresh {
+    /// What is left to remove while this database exists.
+    fn leftover(&self) -> Leftover {
+        match self {
             Fresh::Sqlite(dir, _) => Leftover::Dir(dir.clone()),
             Fresh::Postgres { server, schema, .. } => {
                 Leftover::Schema { server: server.clone(), schema: schema.clone() }
             }
-        };
+        }
+    }
+
+    /// `self`, remembered for [`remove_leftovers`] until dropped.
+    fn remembered(self) -> Fresh {
+        lock(&LEFTOVERS).push(self.leftover());
+        self
+    }
+}
+
+impl Drop for Fresh {
+    fn drop(&mut self) {
+        let leftover = self.leftover();
         lock(&LEFTOVERS).retain(|l| *l != leftover);
         leftover.remove();
     }
@@ -110,15 +123,13 @@ pub fn remove_leftovers() {
 fn fresh_sqlite(durability: Durability) -> anyhow::Result<Fresh> {
     let dir = std::env::temp_dir().join(format!("sagabox-bench-{}", sagabox::ids::new_run_id()));
     std::fs::create_dir_all(&dir)?;
-    lock(&LEFTOVERS).push(Leftover::Dir(dir.clone()));
-    Ok(Fresh::Sqlite(dir, durability))
+    Ok(Fresh::Sqlite(dir, durability).remembered())
 }
 
 fn fresh_postgres(server: &str, tag: &str, durability: Durability) -> anyhow::Result<Fresh> {
     let schema = format!("sagabox_bench_{tag}_{}", std::process::id());
     pg_execute(server, &format!("DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"))?;
-    lock(&LEFTOVERS).push(Leftover::Schema { server: server.to_string(), schema: schema.clone() });
-    Ok(Fresh::Postgres { server: server.to_string(), schema, durability })
+    Ok(Fresh::Postgres { server: server.to_string(), schema, durability }.remembered())
 }
 
 /// What `--durability` sets on PostgreSQL.
