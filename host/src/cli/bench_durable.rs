@@ -23,24 +23,41 @@ pub struct Durable {
 }
 
 /// A database of each kind, fresh: SQLite in a temporary directory, PostgreSQL in a schema
-/// of its own (dropped when done).
-enum Fresh {
-    Sqlite(std::path::PathBuf, Durability),
-    Postgres { server: String, schema: String, durability: Durability },
+/// of its own (removed when dropped, or by [`remove_leftovers`] if the benchmark is
+/// interrupted).
+struct Fresh {
+    place: Place,
+    durability: Durability,
 }
 
+/// Where a fresh database is.
+#[derive(Clone, PartialEq)]
+enum Place {
+    Dir(std::path::PathBuf),
+    Schema { server: String, schema: String },
+}
+
+/// The places of the fresh databases not yet removed.
+static LEFTOVERS: Mutex<Vec<Place>> = Mutex::new(Vec::new());
+
 impl Fresh {
+    /// A database at `place`, remembered until dropped.
+    fn remembered(place: Place, durability: Durability) -> Fresh {
+        lock(&LEFTOVERS).push(place.clone());
+        Fresh { place, durability }
+    }
+
     fn label(&self) -> String {
-        match self {
-            Fresh::Sqlite(_, durability) => format!("SQLite synchronous={durability:?}"),
-            Fresh::Postgres { durability, .. } => format!("PostgreSQL {}", synchronous_commit(*durability)),
+        match self.place {
+            Place::Dir(_) => format!("SQLite synchronous={:?}", self.durability),
+            Place::Schema { .. } => format!("PostgreSQL {}", synchronous_commit(self.durability)),
         }
     }
 
     fn url(&self) -> String {
-        match self {
-            Fresh::Sqlite(dir, _) => dir.join("bench.db").display().to_string(),
-            Fresh::Postgres { server, schema, .. } => {
+        match &self.place {
+            Place::Dir(dir) => dir.join("bench.db").display().to_string(),
+            Place::Schema { server, schema } => {
                 let separator = if server.contains('?') { '&' } else { '?' };
                 format!("{server}{separator}options=-csearch_path%3D{schema}")
             }
@@ -48,59 +65,22 @@ impl Fresh {
     }
 
     fn open(&self) -> anyhow::Result<Arc<dyn Backend>> {
-        Ok(backend::open(&self.url(), self.durability(), true)?)
-    }
-
-    fn durability(&self) -> Durability {
-        match self {
-            Fresh::Sqlite(_, durability) | Fresh::Postgres { durability, .. } => *durability,
-        }
-    }
-}
-
-impl Fresh {
-    /// What is left to remove while this database exists.
-    fn leftover(&self) -> Leftover {
-        match self {
-            Fresh::Sqlite(dir, _) => Leftover::Dir(dir.clone()),
-            Fresh::Postgres { server, schema, .. } => {
-                Leftover::Schema { server: server.clone(), schema: schema.clone() }
-            }
-        }
-    }
-
-    /// `self`, remembered for [`remove_leftovers`] until dropped.
-    fn remembered(self) -> Fresh {
-        lock(&LEFTOVERS).push(self.leftover());
-        self
+        Ok(backend::open(&self.url(), self.durability, true)?)
     }
 }
 
 impl Drop for Fresh {
     fn drop(&mut self) {
-        let leftover = self.leftover();
-        lock(&LEFTOVERS).retain(|l| *l != leftover);
-        leftover.remove();
+        lock(&LEFTOVERS).retain(|place| *place != self.place);
+        self.place.remove();
     }
 }
 
-/// A fresh database not yet removed.
-#[derive(Clone, PartialEq)]
-enum Leftover {
-    Dir(std::path::PathBuf),
-    Schema { server: String, schema: String },
-}
-
-/// The fresh databases made and not yet removed, for [`remove_leftovers`].
-static LEFTOVERS: Mutex<Vec<Leftover>> = Mutex::new(Vec::new());
-
-impl Leftover {
+impl Place {
     fn remove(&self) {
         let removed = match self {
-            Leftover::Dir(dir) => std::fs::remove_dir_all(dir).map_err(anyhow::Error::from),
-            Leftover::Schema { server, schema } => {
-                pg_execute(server, &format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
-            }
+            Place::Dir(dir) => std::fs::remove_dir_all(dir).map_err(anyhow::Error::from),
+            Place::Schema { server, schema } => pg_execute(server, &format!("DROP SCHEMA IF EXISTS {schema} CASCADE")),
         };
         if let Err(e) = removed {
             eprintln!("warning: cannot remove the benchmark's database: {e}");
@@ -108,28 +88,28 @@ impl Leftover {
     }
 }
 
-fn lock(leftovers: &Mutex<Vec<Leftover>>) -> std::sync::MutexGuard<'_, Vec<Leftover>> {
+fn lock(leftovers: &Mutex<Vec<Place>>) -> std::sync::MutexGuard<'_, Vec<Place>> {
     leftovers.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Removes every fresh database still there: an interrupted benchmark (Ctrl-C, SIGTERM)
 /// exits without unwinding, so their `Drop`s never run.
 pub fn remove_leftovers() {
-    for leftover in std::mem::take(&mut *lock(&LEFTOVERS)) {
-        leftover.remove();
+    for place in std::mem::take(&mut *lock(&LEFTOVERS)) {
+        place.remove();
     }
 }
 
 fn fresh_sqlite(durability: Durability) -> anyhow::Result<Fresh> {
     let dir = std::env::temp_dir().join(format!("sagabox-bench-{}", sagabox::ids::new_run_id()));
     std::fs::create_dir_all(&dir)?;
-    Ok(Fresh::Sqlite(dir, durability).remembered())
+    Ok(Fresh::remembered(Place::Dir(dir), durability))
 }
 
 fn fresh_postgres(server: &str, tag: &str, durability: Durability) -> anyhow::Result<Fresh> {
     let schema = format!("sagabox_bench_{tag}_{}", std::process::id());
     pg_execute(server, &format!("DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"))?;
-    Ok(Fresh::Postgres { server: server.to_string(), schema, durability }.remembered())
+    Ok(Fresh::remembered(Place::Schema { server: server.to_string(), schema }, durability))
 }
 
 /// What `--durability` sets on PostgreSQL.
@@ -281,7 +261,7 @@ async fn concurrent_ct1(
     in_flight: usize,
 ) -> anyhow::Result<(f64, f64)> {
     let (saga, state, input) = shipped_saga(runtime, sagas_dir, "ct1-payment-failure")?;
-    let backend = Arc::new(backend::SqliteBackend::open(Path::new(&db.url()), db.durability())?);
+    let backend = Arc::new(backend::SqliteBackend::open(Path::new(&db.url()), db.durability)?);
     backend.seed_if_new(&state)?;
     let saga = Arc::new(saga);
     let per_task = sagas.div_ceil(in_flight);
@@ -336,7 +316,7 @@ fn drain_with_workers(
         .map(|_| {
             Command::new(&exe)
                 .args(["worker", "--db", &db.url(), "--until-done", "--concurrency", "16"])
-                .arg(format!("--durability={:?}", db.durability()).to_lowercase())
+                .arg(format!("--durability={:?}", db.durability).to_lowercase())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
                 .spawn()
