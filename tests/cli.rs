@@ -533,16 +533,7 @@ fn the_command_lines_allocator_keeps_one_arena_per_cpu() {
 #[test]
 fn an_interrupted_benchmark_removes_the_databases_it_made() {
     let temp = tempfile::tempdir().unwrap();
-    let mut bench = Command::new(env!("CARGO_BIN_EXE_sagabox"))
-        .args(["bench", "--only", "durable", "--sagas", "100000", "--sagas-dir"])
-        .arg(sagas_dir())
-        .args(["--pg-url", &postgres::server_url()])
-        .env("SAGABOX_CACHE_DIR", shared_cache())
-        .env("TMPDIR", temp.path())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("sagabox runs");
+    let mut bench = durable_bench("100000", temp.path());
     let schemas = format!("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'sagabox\\_bench\\_%\\_{}'", bench.id());
     let started = std::time::Instant::now();
     // It makes two SQLite databases, then two schemas, before it measures anything.
@@ -562,4 +553,93 @@ fn an_interrupted_benchmark_removes_the_databases_it_made() {
     assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
     assert_eq!(postgres::query(&schemas), Vec::<String>::new(), "schemas left behind");
     assert_eq!(databases(), Vec::<String>::new(), "SQLite databases left behind");
+}
+
+/// A benchmark sent SIGTERM on its own (not its process group) stops the worker processes
+/// it started before it removes their databases: they used to run on until their schema
+/// was gone and then fail.
+#[test]
+fn an_interrupted_benchmark_stops_its_worker_processes() {
+    let temp = tempfile::tempdir().unwrap();
+    let mut bench = durable_bench("400", temp.path());
+    let started = std::time::Instant::now();
+    // The worker groups come after the one-process measurements.
+    let workers = loop {
+        let workers = worker_children(bench.id());
+        if !workers.is_empty() {
+            break workers;
+        }
+        assert!(started.elapsed().as_secs() < 600, "no worker process after ten minutes");
+        assert!(bench.try_wait().unwrap().is_none(), "the benchmark ended before it started a worker");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let schemas = format!("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'sagabox\\_bench\\_%\\_{}'", bench.id());
+    // SAFETY: a signal to the child this test started and has not yet waited for.
+    assert_eq!(unsafe { libc::kill(bench.id() as i32, libc::SIGTERM) }, 0);
+    let out = bench.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
+    let alive: Vec<u32> = workers.into_iter().filter(|pid| is_worker(*pid)).collect();
+    assert_eq!(alive, Vec::<u32>::new(), "worker processes outlived the benchmark");
+    assert_eq!(postgres::query(&schemas), Vec::<String>::new(), "schemas left behind");
+}
+
+/// `bench --only durable --sagas SAGAS` against the real server, its SQLite databases in
+/// `temp`.
+fn durable_bench(sagas: &str, temp: &std::path::Path) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        .args(["bench", "--only", "durable", "--sagas", sagas, "--sagas-dir"])
+        .arg(sagas_dir())
+        .args(["--pg-url", &postgres::server_url()])
+        .env("SAGABOX_CACHE_DIR", shared_cache())
+        .env("TMPDIR", temp)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("sagabox runs")
+}
+
+/// The `sagabox worker` processes whose parent is `parent`.
+fn worker_children(parent: u32) -> Vec<u32> {
+    let pids = std::fs::read_dir("/proc").unwrap().filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok());
+    pids.filter(|pid| parent_of(*pid) == Some(parent) && is_worker(*pid)).collect()
+}
+
+/// The parent of process `pid`, from `/proc/PID/stat` (its fourth field, after the
+/// parenthesized command name).
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(") ")?.1.split(' ').nth(1)?.parse().ok()
+}
+
+/// Whether `pid` is a live (not zombie) `sagabox worker` process.
+fn is_worker(pid: u32) -> bool {
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+    let zombie = state.as_deref().and_then(|s| s.rsplit_once(") ")).is_some_and(|(_, rest)| rest.starts_with('Z'));
+    !zombie && cmdline.split(|b| *b == 0).any(|arg| arg == b"worker")
+}
+
+/// A busy worker claims queued runs in batches (an eighth of its slots at a time), not
+/// each slot as it frees up: every claim is a write transaction, and one per run cost a
+/// SQLite worker half its throughput (BENCHMARKS item 24).
+#[test]
+fn a_busy_worker_claims_runs_in_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("queue.db");
+    let db = db.to_str().unwrap();
+    let saga = sagas_dir().join("ct1-payment-failure.json");
+    let submitted = sagabox(&["submit", "--db", db, "--count", "256", saga.to_str().unwrap()]);
+    assert!(submitted.status.success(), "{}", stderr(&submitted));
+    let out = sagabox(&["worker", "--db", db, "--until-done", "--concurrency", "64"]);
+    let log = stderr(&out);
+    // CT1's payment is declined: every run rolls back, and the worker exits 1.
+    assert!(log.contains("worker done: 256 failed; 0 could not run"), "{log}");
+    let claims: u64 = log
+        .split("; ")
+        .find_map(|part| part.strip_suffix(" claims\n").or(part.strip_suffix(" claims")))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no claim count: {log}"));
+    // 27 here: one of 64, 24 of 8, one that finds the queue short, one once nothing is in
+    // flight; each poll (every 200 ms) may add one. Claiming each slot as it freed up made 257.
+    assert!(claims <= 64, "{claims} claims for 256 runs: {log}");
 }

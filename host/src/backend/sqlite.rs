@@ -99,6 +99,15 @@ ORDER BY started_ms, run_id LIMIT ?2";
 const RUN_COLUMNS: &str =
     "run_id, saga, saga_path, definition, input, seed, status, pid, owner, lease_until_ms, started_ms, finished_ms";
 
+/// A claim: takes the runs [`CLAIMABLE`] picks for this process (?3, pid ?4) until ?5, and
+/// returns them. One statement, prepared once per connection.
+static CLAIM: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "UPDATE runs SET status = 'running', pid = ?4, owner = ?3, lease_until_ms = ?5
+         WHERE run_id IN ({CLAIMABLE}) RETURNING {RUN_COLUMNS}"
+    )
+});
+
 fn run_from_row(r: &rusqlite::Row) -> rusqlite::Result<RunRecord> {
     Ok(RunRecord {
         run_id: r.get(0)?,
@@ -257,6 +266,12 @@ impl SqliteBackend {
         conn.busy_timeout(Duration::from_secs(30)).map_err(fail)?;
         // Room for every statement of the commit path and the registry (16 by default).
         conn.set_prepared_statement_cache_capacity(64);
+        // Plan each statement once. SQLite marks a statement whose plan may depend on a
+        // bound value (a `LIMIT ?`, as in a claim) to be planned again when that value is
+        // bound anew, and rusqlite's statement cache clears the bindings of every statement
+        // it takes back: such a statement was planned on every use (a worker spent 4.6 % of
+        // its time re-planning its claim). No plan here depends on a bound value.
+        conn.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true).map_err(fail)?;
         if !create && !has_schema(&conn).map_err(fail)? {
             return Err(DbError { db: path.display().to_string(), error: "not a sagabox database".into() });
         }
@@ -573,20 +588,16 @@ impl Backend for SqliteBackend {
         let mut claim = || -> rusqlite::Result<Vec<RunRecord>> {
             // Under the write lock: no other process takes the same runs.
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-            let ids: Vec<String> = tx
-                .prepare_cached(CLAIMABLE)?
-                .query_map(params![now_ms as i64, limit as i64, this_process()], |r| r.get(0))?
+            let mut runs: Vec<RunRecord> = tx
+                .prepare_cached(&CLAIM)?
+                .query_map(
+                    params![now_ms as i64, limit as i64, this_process(), std::process::id(), lease_until_ms as i64],
+                    run_from_row,
+                )?
                 .collect::<Result<_, _>>()?;
-            let mut runs = Vec::with_capacity(ids.len());
-            for id in &ids {
-                tx.execute(
-                    "UPDATE runs SET status = 'running', pid = ?1, owner = ?2, lease_until_ms = ?3 WHERE run_id = ?4",
-                    params![std::process::id(), this_process(), lease_until_ms as i64, id],
-                )?;
-                let sql = format!("SELECT {RUN_COLUMNS} FROM runs WHERE run_id = ?1");
-                runs.push(tx.query_row(&sql, params![id], run_from_row)?);
-            }
             tx.commit()?;
+            // RETURNING gives no order.
+            runs.sort_by(|a, b| (a.started_ms, &a.run_id).cmp(&(b.started_ms, &b.run_id)));
             Ok(runs)
         };
         claim().map_err(|e| self.error(e))
@@ -612,8 +623,9 @@ impl Backend for SqliteBackend {
 
     fn events(&self, run_id: &str) -> Result<Vec<Event>, DbError> {
         let conn = lock(&self.conn);
+        // Cached: a worker reads each run's journal as it starts the run.
         let mut stmt =
-            conn.prepare("SELECT body FROM events WHERE run_id = ?1 ORDER BY seq").map_err(|e| self.error(e))?;
+            conn.prepare_cached("SELECT body FROM events WHERE run_id = ?1 ORDER BY seq").map_err(|e| self.error(e))?;
         let bodies = stmt.query_map(params![run_id], |r| r.get::<_, String>(0)).map_err(|e| self.error(e))?;
         let mut events = Vec::new();
         for body in bodies {
@@ -937,6 +949,29 @@ mod tests {
         assert_eq!((first.as_str(), first_of_many.as_str()), ("q000000", "q000000"), "not the oldest run");
         // Scanning and sorting the whole table took 13 steps a run (260,026 here).
         assert!(long <= 2 * short, "a claim took {long} steps from 20,000 queued runs, {short} from 10");
+    }
+
+    /// A worker claims runs as its slots free up, a few at a time, so a claim's statement
+    /// must be planned once, not on every claim. SQLite planned it again on every use (its
+    /// `LIMIT ?` is a value the plan may depend on, and the statement cache clears the
+    /// bindings): 4.6 % of a worker's time.
+    #[test]
+    fn claims_reuse_their_prepared_statement() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = open(&dir.path().join("db.sqlite"));
+        for n in 0..20 {
+            db.register_run(&run_record(&format!("q{n:02}"), 0).queued()).unwrap();
+        }
+        for n in 0..20 {
+            let now = now_ms() + n;
+            let claimed = db.claim_runs(now, now + 60_000, 1).unwrap();
+            assert_eq!(claimed.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>(), [format!("q{n:02}")]);
+        }
+        let conn = lock(&db.conn);
+        let claim = conn.prepare_cached(&CLAIM).unwrap();
+        // The statement the claims ran, not a new one.
+        assert_eq!(claim.get_status(rusqlite::StatementStatus::Run), 20, "runs of the cached claim");
+        assert_eq!(claim.get_status(rusqlite::StatementStatus::RePrepare), 0, "re-planned by 20 claims");
     }
 
     #[test]

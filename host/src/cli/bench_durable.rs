@@ -3,9 +3,10 @@
 //! draining one queue.
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sagabox::backend::{self, Backend, Durability, RunRecord};
 use sagabox::runtime::Runtime;
@@ -39,6 +40,14 @@ enum Place {
 
 /// The places of the fresh databases not yet removed.
 static LEFTOVERS: Mutex<Vec<Place>> = Mutex::new(Vec::new());
+
+/// The worker processes started and not yet seen to end: an interrupted benchmark kills them
+/// before it removes their databases, so that none outlives it (a signal sent to the
+/// benchmark alone, not to its process group, does not reach them).
+static WORKERS: Mutex<Vec<Child>> = Mutex::new(Vec::new());
+
+/// Set once [`remove_leftovers`] has begun: the process is about to exit.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 impl Fresh {
     /// A database at `place`, remembered until dropped.
@@ -88,13 +97,17 @@ impl Place {
     }
 }
 
-fn lock(leftovers: &Mutex<Vec<Place>>) -> std::sync::MutexGuard<'_, Vec<Place>> {
-    leftovers.lock().unwrap_or_else(|p| p.into_inner())
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Removes every fresh database still there: an interrupted benchmark (Ctrl-C, SIGTERM)
-/// exits without unwinding, so their `Drop`s never run.
+/// Kills the worker processes still running and removes every fresh database still there:
+/// an interrupted benchmark (Ctrl-C, SIGTERM) exits without unwinding, so their `Drop`s
+/// never run.
 pub fn remove_leftovers() {
+    // Before taking the workers: no worker starts after that (see `start_worker`).
+    INTERRUPTED.store(true, Ordering::SeqCst);
+    stop_workers();
     for place in std::mem::take(&mut *lock(&LEFTOVERS)) {
         place.remove();
     }
@@ -312,23 +325,80 @@ fn drain_with_workers(
     }
     let exe = std::env::current_exe()?;
     let started = Instant::now();
-    let children: Vec<_> = (0..workers)
-        .map(|_| {
-            Command::new(&exe)
-                .args(["worker", "--db", &db.url(), "--until-done", "--concurrency", "16"])
-                .arg(format!("--durability={:?}", db.durability).to_lowercase())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-        })
-        .collect::<Result<_, _>>()?;
-    for mut child in children {
-        child.wait()?;
+    let drained = (0..workers).try_for_each(|_| start_worker(&exe, db)).and_then(|()| wait_for_workers());
+    if drained.is_err() {
+        stop_workers();
     }
+    drained?;
     let seconds = started.elapsed().as_secs_f64();
     let unfinished = backend.unfinished_runs()?.len();
     if unfinished > 0 {
         anyhow::bail!("{unfinished} of {runs} queued runs were left unfinished by {workers} worker(s)");
     }
     Ok(runs as f64 / seconds)
+}
+
+/// Starts a `sagabox worker` on `db`, kept in [`WORKERS`].
+fn start_worker(exe: &Path, db: &Fresh) -> anyhow::Result<()> {
+    // Under the lock, so that an interrupt either finds this worker there or comes first.
+    let mut workers = lock(&WORKERS);
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        drop(workers);
+        wait_for_exit();
+    }
+    let worker = Command::new(exe)
+        .args(["worker", "--db", &db.url(), "--until-done", "--concurrency", "16"])
+        .arg(format!("--durability={:?}", db.durability).to_lowercase())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?;
+    workers.push(worker);
+    Ok(())
+}
+
+/// Kills the worker processes still running (the database each works on is removed next,
+/// so they are not asked to stop).
+fn stop_workers() {
+    for mut worker in std::mem::take(&mut *lock(&WORKERS)) {
+        if let Err(e) = worker.kill().and_then(|()| worker.wait().map(drop)) {
+            eprintln!("warning: cannot stop worker process {}: {e}", worker.id());
+        }
+    }
+}
+
+/// Interrupted: the process exits once its databases are gone (`bench.rs`). Reporting an
+/// error first would end it before they are.
+fn wait_for_exit() -> ! {
+    loop {
+        std::thread::park();
+    }
+}
+
+/// Waits until every worker in [`WORKERS`] has ended. They stay there, for
+/// [`remove_leftovers`] to kill, so they are polled rather than waited for.
+fn wait_for_workers() -> anyhow::Result<()> {
+    loop {
+        let mut workers = lock(&WORKERS);
+        let mut failed = None;
+        workers.retain_mut(|worker| match worker.try_wait() {
+            Ok(None) => true,
+            Ok(Some(_)) => false,
+            Err(e) => {
+                failed = Some(e);
+                false
+            }
+        });
+        if let Some(e) = failed {
+            anyhow::bail!("cannot wait for a worker process: {e}");
+        }
+        if workers.is_empty() {
+            break;
+        }
+        drop(workers);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        wait_for_exit();
+    }
+    Ok(())
 }

@@ -126,7 +126,7 @@ pub async fn worker(plugin_args: &PluginArgs, args: WorkerArgs) -> anyhow::Resul
     })
     .await?;
     let finished: Vec<String> = tally.by_status.iter().map(|(status, n)| format!("{n} {status}")).collect();
-    eprintln!("worker done: {}; {} could not run", finished.join(", "), tally.errors);
+    eprintln!("worker done: {}; {} could not run; {} claims", finished.join(", "), tally.errors, tally.claims);
     // Like `run`: success when every run it took succeeded.
     Ok(if tally.unsuccessful == 0 && tally.errors == 0 { Outcome::Success } else { Outcome::Failure })
 }

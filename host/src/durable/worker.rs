@@ -58,6 +58,8 @@ pub struct Tally {
     pub unsuccessful: u64,
     /// Runs it could not finish.
     pub errors: u64,
+    /// Claims it made (each a write transaction), those that found nothing included.
+    pub claims: u64,
 }
 
 /// Works until `stop` is cancelled (or, with `until_done`, until nothing is left), calling
@@ -77,12 +79,28 @@ pub async fn work(
     // Which run each task runs, to name it if the task fails.
     let mut tasks = std::collections::HashMap::new();
     let concurrency = options.concurrency.max(1);
+    // A claim is a write transaction. A busy worker claimed each slot as it freed up, and
+    // again as each run ended once the queue was empty: a transaction per run, which halved
+    // a SQLite worker's throughput. It now claims when an eighth of its slots are free (one,
+    // below 16 slots), except after a claim that found fewer runs than it asked for; and
+    // whatever the count, every poll and whenever nothing is in flight.
+    let batch = (concurrency / 8).max(1);
+    let mut queue_short = false;
+    // On a clock of its own: runs that end do not put the next poll off.
+    let mut next_poll = tokio::time::Instant::now();
     loop {
         let free = concurrency - in_flight.len();
         let mut claimed = Vec::new();
-        if free > 0 && !stop.is_cancelled() {
+        let poll_due = tokio::time::Instant::now() >= next_poll;
+        let due = poll_due || in_flight.is_empty() || (free >= batch && !queue_short);
+        if free > 0 && due && !stop.is_cancelled() {
             let (claimer, lease) = (Arc::clone(&backend), options.lease.as_millis() as u64);
             claimed = blocking(move || claimer.claim_runs(now_ms(), now_ms() + lease, free)).await?;
+            tally.claims += 1;
+            queue_short = claimed.len() < free;
+            if poll_due {
+                next_poll = tokio::time::Instant::now() + options.poll;
+            }
             if claimed.is_empty() && in_flight.is_empty() {
                 claimed = adopt_orphans(&backend, options.lease, free).await?;
             }
@@ -110,7 +128,7 @@ pub async fn work(
         let next = if in_flight.len() < concurrency && !stop.is_cancelled() {
             tokio::select! {
                 done = in_flight.join_next_with_id() => done,
-                _ = tokio::time::sleep(options.poll) => None,
+                _ = tokio::time::sleep_until(next_poll) => None,
             }
         } else {
             in_flight.join_next_with_id().await
