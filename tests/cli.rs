@@ -557,7 +557,9 @@ fn an_interrupted_benchmark_removes_the_databases_it_made() {
 
 /// A benchmark sent SIGTERM on its own (not its process group) stops the worker processes
 /// it started before it removes their databases: they used to run on until their schema
-/// was gone and then fail.
+/// was gone and then fail. The workers are frozen (SIGSTOP) first, so that none can end by
+/// itself, on its dropped schema, before the benchmark does: a benchmark that left them
+/// would leave them frozen, or wait for the locks a frozen one holds.
 #[test]
 fn an_interrupted_benchmark_stops_its_worker_processes() {
     let temp = tempfile::tempdir().unwrap();
@@ -567,7 +569,7 @@ fn an_interrupted_benchmark_stops_its_worker_processes() {
     let workers = loop {
         let workers = worker_children(bench.id());
         if !workers.is_empty() {
-            break workers;
+            break Frozen::new(workers);
         }
         assert!(started.elapsed().as_secs() < 600, "no worker process after ten minutes");
         assert!(bench.try_wait().unwrap().is_none(), "the benchmark ended before it started a worker");
@@ -576,11 +578,44 @@ fn an_interrupted_benchmark_stops_its_worker_processes() {
     let schemas = format!("SELECT nspname FROM pg_namespace WHERE nspname LIKE 'sagabox\\_bench\\_%\\_{}'", bench.id());
     // SAFETY: a signal to the child this test started and has not yet waited for.
     assert_eq!(unsafe { libc::kill(bench.id() as i32, libc::SIGTERM) }, 0);
+    let interrupted = std::time::Instant::now();
+    while bench.try_wait().unwrap().is_none() {
+        if interrupted.elapsed().as_secs() >= 120 {
+            let _ = bench.kill();
+            panic!(
+                "the benchmark did not exit within two minutes of SIGTERM: {}",
+                stderr(&bench.wait_with_output().unwrap())
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     let out = bench.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", stderr(&out));
-    let alive: Vec<u32> = workers.into_iter().filter(|pid| is_worker(*pid)).collect();
+    let alive: Vec<u32> = workers.0.iter().copied().filter(|pid| is_worker(*pid)).collect();
     assert_eq!(alive, Vec::<u32>::new(), "worker processes outlived the benchmark");
     assert_eq!(postgres::query(&schemas), Vec::<String>::new(), "schemas left behind");
+}
+
+/// Worker processes frozen with SIGSTOP; killed when dropped, if still there.
+struct Frozen(Vec<u32>);
+
+impl Frozen {
+    fn new(pids: Vec<u32>) -> Frozen {
+        for pid in &pids {
+            // SAFETY: a signal to a process this test found as a worker the benchmark started.
+            assert_eq!(unsafe { libc::kill(*pid as i32, libc::SIGSTOP) }, 0, "cannot freeze worker {pid}");
+        }
+        Frozen(pids)
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        for pid in self.0.iter().copied().filter(|pid| is_worker(*pid)) {
+            // SAFETY: as above; a worker left frozen would otherwise stay forever.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
 }
 
 /// `bench --only durable --sagas SAGAS` against the real server, its SQLite databases in
@@ -634,10 +669,10 @@ fn a_busy_worker_claims_runs_in_batches() {
     let log = stderr(&out);
     // CT1's payment is declined: every run rolls back, and the worker exits 1.
     assert!(log.contains("worker done: 256 failed; 0 could not run"), "{log}");
+    // Its last line: "worker done: …; N claims".
     let claims: u64 = log
-        .split("; ")
-        .find_map(|part| part.strip_suffix(" claims\n").or(part.strip_suffix(" claims")))
-        .and_then(|n| n.parse().ok())
+        .lines()
+        .find_map(|line| line.strip_prefix("worker done: ")?.rsplit("; ").next()?.strip_suffix(" claims")?.parse().ok())
         .unwrap_or_else(|| panic!("no claim count: {log}"));
     // 27 here: one of 64, 24 of 8, one that finds the queue short, one once nothing is in
     // flight; each poll (every 200 ms) may add one. Claiming each slot as it freed up made 257.

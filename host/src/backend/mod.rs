@@ -14,6 +14,7 @@ pub mod memory;
 pub mod postgres;
 pub mod sqlite;
 
+use crate::sync::lock;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -310,8 +311,4 @@ fn duplicate_event(event: &Event) -> String {
 
 fn now_ms() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
-
-fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -73,10 +73,11 @@ CREATE INDEX runs_queue ON runs (status, started_ms, run_id);
 /// queued runs, and running ones another process holds whose lease ran out before $4 (now).
 /// Each kind is read off `runs_queue` in order and stops at the limit, so a claim's cost does
 /// not grow with the queue (one `WHERE queued OR expired` sorted every queued run, on every
-/// claim: 48 ms at 40,000; the expired half still reads every running run). SKIP LOCKED: workers claiming at once take different runs.
-/// When both kinds are there, the statement locks up to $5 of each and takes the oldest $5:
-/// until it ends, another claimer skips the rest (they stay claimable).
-fn claim_sql() -> String {
+/// claim: 48 ms at 40,000; the expired half still reads every running run). SKIP LOCKED:
+/// workers claiming at once take different runs. When both kinds are there, the statement
+/// locks up to $5 of each and takes the oldest $5: until it ends, another claimer skips the
+/// rest (they stay claimable). Built once, and prepared once per connection.
+static CLAIM: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
         "WITH queued AS (
              SELECT run_id, started_ms FROM runs WHERE status = 'queued'
@@ -91,7 +92,7 @@ fn claim_sql() -> String {
          WHERE run_id IN (SELECT run_id FROM chosen)
          RETURNING {RUN_COLUMNS}"
     )
-}
+});
 
 /// The store's version (the last commit's).
 const VERSION: &str = "SELECT value FROM meta WHERE name = 'version'";
@@ -878,7 +879,6 @@ impl Backend for PostgresBackend {
     }
 
     fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError> {
-        let sql = claim_sql();
         self.read(async |client, _| {
             let params: [&(dyn ToSql + Sync); 5] = [
                 &(std::process::id() as i64),
@@ -887,7 +887,8 @@ impl Backend for PostgresBackend {
                 &(now_ms as i64),
                 &(limit as i64),
             ];
-            let mut runs: Vec<RunRecord> = client.query(&sql, &params).await?.iter().map(run_from_row).collect();
+            let claim = client.prepare_cached(&CLAIM).await?;
+            let mut runs: Vec<RunRecord> = client.query(&claim, &params).await?.iter().map(run_from_row).collect();
             runs.sort_by(|a, b| (a.started_ms, &a.run_id).cmp(&(b.started_ms, &b.run_id)));
             Ok(runs)
         })
@@ -947,7 +948,7 @@ mod tests {
             schema.name,
             queued - 1
         ));
-        let explain = format!("EXPLAIN (ANALYZE, BUFFERS) {}", claim_sql());
+        let explain = format!("EXPLAIN (ANALYZE, BUFFERS) {}", *CLAIM);
         let (plan, claimed) = backend
             .read(async |client, _| {
                 let now = now_ms() as i64;

@@ -12,6 +12,7 @@ use sagabox::backend::{self, Backend, Durability, RunRecord};
 use sagabox::runtime::Runtime;
 use sagabox::saga::{self, RunOptions, Status};
 use sagabox::store::{State, Txn, WriteQuota};
+use sagabox::sync::lock;
 use serde_json::json;
 
 use super::bench::{Measurement, shipped_saga};
@@ -95,10 +96,6 @@ impl Place {
             eprintln!("warning: cannot remove the benchmark's database: {e}");
         }
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Kills the worker processes still running and removes every fresh database still there:

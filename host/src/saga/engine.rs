@@ -13,6 +13,7 @@
 //! Scheduling is linear in the saga's size: steps wait on counters of unfinished
 //! dependencies (forward) or uncompensated dependants (backward), never on scans.
 
+use crate::sync::lock;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -255,10 +256,6 @@ pub async fn run(runtime: &Runtime, saga: &Saga, backend: &dyn Backend, options:
     let parallel = saga.plan.has_branches();
     let run = Run::new(runtime, saga, Steps::Planned(&saga.plan), backend, options, parallel);
     run.execute().instrument(span).await
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl<'a> Run<'a> {

@@ -7,6 +7,7 @@
 //! sessions. A stateless request (revision 2026-07-28 over HTTP) without a handle is a
 //! transaction of its own, committed when it succeeds.
 
+use crate::sync::lock;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -60,10 +61,6 @@ pub struct ConnectionState {
     owned: Mutex<Vec<Transaction>>,
     /// The least severe plugin log level the client asked for (`logging/setLevel`).
     log_level: Mutex<Option<logging::Rank>>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Connection {

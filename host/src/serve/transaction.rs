@@ -6,6 +6,7 @@
 //! [`OnFailure::Compensate`]), its own time-out or idleness; calls still in flight finish
 //! first, so compensation sees every effect.
 
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -214,10 +215,6 @@ impl Transactions {
         let open: Vec<Transaction> = lock(&self.open).values().cloned().collect();
         futures::future::join_all(open.iter().map(|t| t.end(commit, Some(reason.clone())))).await;
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// The error that ends a transaction for a reason of the server's.
