@@ -1,9 +1,19 @@
-//! Mutexes the host keeps using after a panic.
+//! Locks the host keeps using after a panic.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// `m`'s guard, also when a thread panicked while holding it: what these mutexes guard is
 /// consistent between statements, and one failed request must not stop the next.
 pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `l`'s read guard, also after a panic (see [`lock`]).
+pub fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `l`'s write guard, also after a panic (see [`lock`]).
+pub fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(|p| p.into_inner())
 }

@@ -38,6 +38,7 @@ use super::{
 };
 use crate::saga::journal::Event;
 use crate::store::{Change, State, Txn};
+use crate::sync::{read, write};
 
 /// The schema, one migration per version; a database records which it has applied
 /// (`sagabox_migrations`). Append, never edit: deployed databases hold the old ones.
@@ -309,7 +310,7 @@ impl PostgresBackend {
         };
         backend.block_on(backend.migrate()).map_err(|e| backend.db_error(e))?;
         let state = backend.current_state()?;
-        *backend.state.write().unwrap_or_else(|p| p.into_inner()) = state;
+        *write(&backend.state) = state;
         Ok(backend)
     }
 
@@ -462,7 +463,7 @@ impl PostgresBackend {
 
     /// Brings the in-memory state up to `version` with the rows read since its own.
     fn apply_rows(&self, docs: Vec<DocRow>, version: u64) {
-        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let mut state = write(&self.state);
         if state.version() < version {
             // Rows this state already holds (read again by a catch-up that started earlier) are left out.
             let since = state.version();
@@ -584,7 +585,7 @@ impl PostgresBackend {
         changes: &mut Option<Vec<Change>>,
     ) -> Result<Vec<Change>, Failure> {
         let tx = client.transaction().await?;
-        let since = self.state.read().unwrap_or_else(|p| p.into_inner()).version() as i64;
+        let since = read(&self.state).version() as i64;
         // One round trip for the four reads (the server runs them in order, so the others
         // are read under the lock): the row lock serializes the commits of every process and
         // the version follows it; then the result cache; then the documents other processes
@@ -623,7 +624,7 @@ impl PostgresBackend {
         self.apply_rows(docs, version as u64);
         let next = version + 1;
         let (new_changes, writes) = {
-            let state = self.state.read().unwrap_or_else(|p| p.into_inner());
+            let state = read(&self.state);
             txn.validate(&state).map_err(CommitError::from)?;
             (txn.changes(&state), Writes::of(txn, &state))
         };
@@ -655,7 +656,7 @@ impl PostgresBackend {
             async { Ok::<_, Failure>(tx.execute(&bump, &[&next]).await?) },
         )?;
         tx.commit().await?;
-        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let mut state = write(&self.state);
         // A snapshot may have caught up past this commit meanwhile: then it holds these writes.
         if state.version() < next as u64 {
             state.apply(next as u64, txn.writes());
@@ -744,7 +745,7 @@ fn run_from_row(r: &tokio_postgres::Row) -> RunRecord {
 
 impl Backend for PostgresBackend {
     fn snapshot(&self) -> State {
-        let since = self.state.read().unwrap_or_else(|p| p.into_inner()).version();
+        let since = read(&self.state).version();
         let caught_up = self.read(async |client, _| {
             // One round trip when nothing changed (the statement is prepared once per connection).
             let version: i64 = client.query_one(&client.prepare_cached(VERSION).await?, &[]).await?.get(0);
@@ -758,7 +759,7 @@ impl Backend for PostgresBackend {
             Ok(None) => {}
             Err(e) => tracing::warn!("cannot catch up with the database: {e}"),
         }
-        self.state.read().unwrap_or_else(|p| p.into_inner()).clone()
+        read(&self.state).clone()
     }
 
     fn commit(&self, txn: &Txn, result: Option<(&str, &Value)>, events: &[Event]) -> Result<Vec<Change>, CommitError> {
@@ -829,7 +830,7 @@ impl Backend for PostgresBackend {
         })?;
         if seeded {
             let state = self.current_state()?;
-            *self.state.write().unwrap_or_else(|p| p.into_inner()) = state;
+            *write(&self.state) = state;
         }
         Ok(seeded)
     }

@@ -33,6 +33,7 @@ use super::{
 };
 use crate::saga::journal::Event;
 use crate::store::{Change, State, Txn};
+use crate::sync::{read, write};
 
 /// How hard commits push to disk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -309,7 +310,7 @@ impl SqliteBackend {
         // Read before the state: a commit in between makes the next snapshot catch up.
         let version = data_version(&conn).map_err(|e| self.error(e))?;
         let state = self.read_state(&conn)?;
-        *self.state.write().unwrap_or_else(|p| p.into_inner()) = state;
+        *write(&self.state) = state;
         *lock(&self.data_version) = version;
         Ok(())
     }
@@ -361,7 +362,7 @@ impl SqliteBackend {
         // Read first: a commit after this read makes the next refresh catch up again.
         let seen = data_version(conn).map_err(|e| self.error(e))?;
         let version = db_version(conn).map_err(|e| self.error(e))?;
-        let mut state = self.state.write().unwrap_or_else(|p| p.into_inner());
+        let mut state = write(&self.state);
         if state.version() != version {
             let mut stmt = conn
                 .prepare_cached("SELECT ns, key, body, version FROM docs WHERE version > ?1 ORDER BY version")
@@ -497,7 +498,7 @@ impl Backend for SqliteBackend {
         if let Err(e) = self.refresh() {
             tracing::warn!("cannot catch up with the database: {e}");
         }
-        self.state.read().unwrap_or_else(|p| p.into_inner()).clone()
+        read(&self.state).clone()
     }
 
     fn commit(&self, txn: &Txn, result: Option<(&str, &Value)>, events: &[Event]) -> Result<Vec<Change>, CommitError> {
@@ -684,7 +685,7 @@ impl SqliteBackend {
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.commit_error(e))?;
         // Validated against the database's state; versions follow the database's counter.
         let base = self.catch_up(&tx).map_err(|e| self.commit_error(e))?;
-        let mut state = self.state.read().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut state = read(&self.state).clone();
         let flushed = self.write_pending(&tx)?;
         let mut version = base;
         let mut outcomes = Vec::with_capacity(steps.len());
@@ -712,7 +713,7 @@ impl SqliteBackend {
         tx.commit().map_err(|e| self.commit_error(e))?;
         lock(&self.pending).drain(..flushed);
         // Our own commit changed data_version only for other connections; ours is current.
-        *self.state.write().unwrap_or_else(|p| p.into_inner()) = state;
+        *write(&self.state) = state;
         Ok(outcomes)
     }
 

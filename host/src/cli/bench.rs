@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use serde::Serialize;
-use serde_json::json;
+use serde_json::{Value, json};
 
 use std::sync::Arc;
 
@@ -216,6 +216,31 @@ pub fn shipped_saga(runtime: &Runtime, dir: &Path, name: &str) -> anyhow::Result
         None => json!({}),
     };
     Ok((saga, state, input))
+}
+
+/// `fixture` with room for every run at once: a million seats on each flight and rooms in each
+/// hotel. Runs sharing one store (a server's sessions, a durable queue) each hold a seat and a
+/// room until they roll back; with the fixture's few, most would be refused at their first
+/// step, and a benchmark would time one-call runs instead of CT1.
+pub fn roomy(fixture: &Value) -> Value {
+    match fixture {
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| {
+                    let v = match (k.as_str(), v) {
+                        ("rooms_available", Value::Number(_)) => json!(1_000_000),
+                        ("available_seats", Value::Object(seats)) => {
+                            Value::Object(seats.keys().map(|c| (c.clone(), json!(1_000_000))).collect())
+                        }
+                        _ => roomy(v),
+                    };
+                    (k.clone(), v)
+                })
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(roomy).collect()),
+        other => other.clone(),
+    }
 }
 
 #[derive(clap::Args)]

@@ -184,7 +184,7 @@ pub fn http_sessions(
     let dir = std::env::temp_dir().join(format!("sagabox-bench-serve-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("fixture.json");
-    std::fs::write(&path, roomy(fixture).to_string())?;
+    std::fs::write(&path, super::bench::roomy(fixture).to_string())?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let addr = format!("127.0.0.1:{port}");
     let process = server(&["--state", &path.to_string_lossy(), "--http", &addr], false)?;
@@ -239,28 +239,6 @@ pub fn http_sessions(
     let _ = std::fs::remove_dir_all(&dir);
     let name = format!("rolled-back session over HTTP, {concurrency} clients");
     Ok((rate, Measurement::from_samples(name, latencies)))
-}
-
-/// The fixture with room for every session at once: many seats and rooms.
-fn roomy(fixture: &Value) -> Value {
-    match fixture {
-        Value::Object(map) => Value::Object(
-            map.iter()
-                .map(|(k, v)| {
-                    let v = match (k.as_str(), v) {
-                        ("rooms_available", Value::Number(_)) => json!(1_000_000),
-                        ("available_seats", Value::Object(seats)) => {
-                            Value::Object(seats.keys().map(|c| (c.clone(), json!(1_000_000))).collect())
-                        }
-                        _ => roomy(v),
-                    };
-                    (k.clone(), v)
-                })
-                .collect(),
-        ),
-        Value::Array(items) => Value::Array(items.iter().map(roomy).collect()),
-        other => other.clone(),
-    }
 }
 
 fn wait_for(addr: &str) -> anyhow::Result<()> {

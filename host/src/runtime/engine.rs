@@ -16,6 +16,7 @@ use wasmtime::component::Component;
 use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig};
 
 use super::policy::{MAX_INSTANCES, MAX_MEMORY_MIB, MAX_TABLE_ELEMENTS};
+use crate::sync::lock;
 
 /// How often the epoch advances: the resolution of call deadlines.
 pub const EPOCH_TICK: Duration = Duration::from_millis(1);
@@ -62,13 +63,13 @@ impl Engines {
 
     /// The engine for guests with `stack_kib` of wasm stack.
     pub fn get(&self, stack_kib: u64) -> Result<Engine, String> {
-        let mut engines = self.by_stack.lock().unwrap_or_else(|p| p.into_inner());
+        let mut engines = lock(&self.by_stack);
         if let Some(engine) = engines.get(&stack_kib) {
             return Ok(engine.clone());
         }
         let engine = Engine::new(&self.config(stack_kib)).map_err(|e| format!("{e:#}"))?;
         engines.insert(stack_kib, engine.clone());
-        self.ticking.lock().unwrap_or_else(|p| p.into_inner()).push(engine.clone());
+        lock(&self.ticking).push(engine.clone());
         Ok(engine)
     }
 
@@ -123,7 +124,7 @@ impl Engines {
 fn spawn_ticker(engines: Weak<Mutex<Vec<Engine>>>) {
     let spawned = std::thread::Builder::new().name("sagabox-epoch".into()).spawn(move || {
         while let Some(engines) = engines.upgrade() {
-            for engine in engines.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            for engine in lock(&engines).iter() {
                 engine.increment_epoch();
             }
             drop(engines);

@@ -44,6 +44,7 @@ pub async fn forwarding_logs<F: std::future::Future>(sink: Arc<dyn LogSink>, wor
 }
 
 use crate::store::{Change, Conflict, MemoryStore, State, Txn};
+use crate::sync::lock;
 use engine::Engines;
 use plugin::{ManifestError, Source, validate_manifest};
 use sandbox::{Abort, CallState, Grants};
@@ -542,7 +543,7 @@ impl Runtime {
     /// The pre-linked instance of `plugin` for engines with `stack_kib` of wasm stack,
     /// compiling it on first use of that stack size.
     fn prepared(&self, plugin: &Plugin, stack_kib: u64) -> Result<bindings::PluginPre<CallState>, String> {
-        let mut prepared = plugin.prepared.lock().unwrap_or_else(|p| p.into_inner());
+        let mut prepared = lock(&plugin.prepared);
         if let Some(pre) = prepared.get(&stack_kib) {
             return Ok(pre.clone());
         }

@@ -18,6 +18,7 @@ use super::bindings::sagabox::plugin::log::Level;
 use super::bindings::sagabox::plugin::store::StoreError;
 use super::policy::{Limits, Policy, StoreGrants};
 use crate::store::{FieldIs, Txn};
+use crate::sync::lock;
 
 /// The WASI version this host implements (wasmtime-wasi 48); guests built against any
 /// 0.2.x version link to it.
@@ -39,13 +40,13 @@ pub(crate) struct StderrHead {
 
 impl StderrHead {
     fn keep(&self, bytes: &[u8]) {
-        let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        let mut kept = lock(&self.kept);
         let room = STDERR_CAPTURE.saturating_sub(kept.len());
         kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
     }
 
     pub fn contents(&self) -> Vec<u8> {
-        self.kept.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        lock(&self.kept).clone()
     }
 }
 

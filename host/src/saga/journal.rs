@@ -10,6 +10,7 @@ use serde_json::Value;
 use serde_json::value::RawValue;
 
 use crate::runtime::{CallError, FailureKind};
+use crate::sync::lock;
 
 /// What happened.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -236,7 +237,7 @@ impl JournalSink for JsonLinesFile {
                 text.push('\n');
             }
         }
-        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        let mut file = lock(&self.file);
         if let Err(e) = file.write_all(text.as_bytes()).and_then(|_| file.flush()) {
             tracing::error!("cannot write the journal: {e}");
         }

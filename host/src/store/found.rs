@@ -8,6 +8,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::FieldIs;
+use crate::sync::lock;
 
 /// Finds kept per namespace; the oldest is forgotten past this.
 const KEPT: usize = 32;
@@ -42,7 +43,7 @@ pub(super) struct Memo(OnceLock<Arc<Mutex<Vec<Answered>>>>);
 
 impl Memo {
     pub fn get(&self, question: &Question) -> Option<Arc<Answer>> {
-        let kept = self.0.get()?.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = lock(self.0.get()?);
         kept.iter().find(|(q, _)| q == question).map(|(_, a)| a.clone())
     }
 
@@ -50,7 +51,7 @@ impl Memo {
         if answer.found.len() > KEPT_MATCHES {
             return;
         }
-        let mut kept = self.0.get_or_init(Arc::default).lock().unwrap_or_else(|p| p.into_inner());
+        let mut kept = lock(self.0.get_or_init(Arc::default));
         // Two calls may have scanned for the same question at once.
         if kept.iter().any(|(q, _)| *q == question) {
             return;

@@ -20,6 +20,8 @@ use imbl::OrdMap;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
+use crate::sync::{read, write};
+
 pub use digest::{Diff, DiffEntry, Digests, changed_keys, diff};
 pub use txn::{Conflict, FieldIs, StoreCaps, Txn, TxnError, WriteQuota};
 
@@ -260,12 +262,12 @@ impl MemoryStore {
 
     /// The current state; O(1).
     pub fn snapshot(&self) -> State {
-        self.current.read().unwrap_or_else(|p| p.into_inner()).clone()
+        read(&self.current).clone()
     }
 
     /// Replaces the whole state (a verification case starting over).
     pub fn reset(&self, state: State) {
-        *self.current.write().unwrap_or_else(|p| p.into_inner()) = state;
+        *write(&self.current) = state;
     }
 
     /// Applies `txn` if nothing it read has changed since its snapshot; returns the changes.
@@ -273,7 +275,7 @@ impl MemoryStore {
         if txn.is_read_only() {
             return Ok(Vec::new());
         }
-        let mut current = self.current.write().unwrap_or_else(|p| p.into_inner());
+        let mut current = write(&self.current);
         txn.validate(&current)?;
         let changes = txn.changes(&current);
         let version = current.version + 1;
