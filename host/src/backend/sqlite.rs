@@ -9,6 +9,9 @@
 //! killed process: every committed transaction is in the WAL; after a power loss the last
 //! transactions may be lost, but the database stays consistent with its journal.
 //! `synchronous=FULL` also survives power loss at the cost of an fsync per transaction.
+//! Nothing else waits for a group's transaction: a run's reads between its commits go to a
+//! second connection while the writing one is busy, and checkpoints run on a thread of their
+//! own ([`checkpoint`]).
 //!
 //! Each process keeps the state in memory (an O(1)-snapshot [`State`]) and catches up with
 //! commits of other processes (`PRAGMA data_version` says cheaply when); a commit is
@@ -33,7 +36,10 @@ use super::{
 };
 use crate::saga::journal::Event;
 use crate::store::{Change, State, Txn};
-use crate::sync::{read, write};
+use crate::sync::{read, try_lock, write};
+use checkpoint::Checkpointer;
+
+mod checkpoint;
 
 /// How hard commits push to disk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -162,16 +168,23 @@ fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
 /// The SQLite backend.
 pub struct SqliteBackend {
     path: PathBuf,
+    /// Writes (every commit, the registry, the queue) and what reads with them.
     conn: Mutex<Connection>,
+    /// `conn`'s `PRAGMA data_version` when `state` was last brought up to date through it: a
+    /// cheap test of whether another process committed since (it ignores `conn`'s own).
+    data_version: Mutex<i64>,
+    /// What a run reads between its commits (a snapshot's catching up, the result cache)
+    /// while a group's transaction holds `conn`: every step of every run asks both, and
+    /// none waits for the transaction (WAL mode lets this connection read meanwhile).
+    reader: Mutex<Reader>,
     /// The state as of the database's version `state.version()`.
     state: RwLock<State>,
-    /// `PRAGMA data_version` when `state` was last brought up to date: a cheap test of
-    /// whether another connection committed since.
-    data_version: Mutex<i64>,
     /// Events with no state change, written with the next commit (or at a run's start and end).
     pending: Mutex<Vec<Event>>,
     /// Step commits of concurrent runs, written many to a transaction.
     group: Group<StepCommit, Result<Vec<Change>, StepError>>,
+    /// Checkpoints, made off the commits' path.
+    checkpointer: Checkpointer,
 }
 
 /// Most steps one transaction writes: bounds how long a batch holds the write lock.
@@ -185,6 +198,14 @@ struct StepCommit {
     result: Option<(String, Value)>,
     events: Vec<Event>,
     run: Option<RunRecord>,
+}
+
+/// The reading connection.
+struct Reader {
+    conn: Connection,
+    /// Its `PRAGMA data_version` when `state` was last brought up to date through it (this
+    /// backend's own commits change it too).
+    data_version: i64,
 }
 
 fn is_constraint(e: &rusqlite::Error) -> bool {
@@ -263,16 +284,7 @@ impl SqliteBackend {
         if !create {
             flags.remove(OpenFlags::SQLITE_OPEN_CREATE);
         }
-        let mut conn = Connection::open_with_flags(path, flags).map_err(fail)?;
-        conn.busy_timeout(Duration::from_secs(30)).map_err(fail)?;
-        // Room for every statement of the commit path and the registry (16 by default).
-        conn.set_prepared_statement_cache_capacity(64);
-        // Plan each statement once. SQLite marks a statement whose plan may depend on a
-        // bound value (a `LIMIT ?`, as in a claim) to be planned again when that value is
-        // bound anew, and rusqlite's statement cache clears the bindings of every statement
-        // it takes back: such a statement was planned on every use (a worker spent 4.6 % of
-        // its time re-planning its claim). No plan here depends on a bound value.
-        conn.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true).map_err(fail)?;
+        let mut conn = connect(path, flags).map_err(fail)?;
         if !create && !has_schema(&conn).map_err(fail)? {
             return Err(DbError { db: path.display().to_string(), error: "not a sagabox database".into() });
         }
@@ -284,13 +296,19 @@ impl SqliteBackend {
         conn.pragma_update(None, "synchronous", sync).map_err(fail)?;
         conn.execute_batch(SCHEMA).map_err(fail)?;
         migrate(&mut conn).map_err(fail)?;
+        let reader = connect(path, flags).map_err(fail)?;
+        reader.pragma_update(None, "query_only", true).map_err(fail)?;
+        let checkpoints = connect(path, flags).map_err(fail)?;
+        let checkpointer = Checkpointer::start(checkpoints, &mut conn, path.display().to_string()).map_err(fail)?;
         let backend = SqliteBackend {
             path: path.to_path_buf(),
             conn: Mutex::new(conn),
-            state: RwLock::new(State::default()),
             data_version: Mutex::new(-1),
+            reader: Mutex::new(Reader { conn: reader, data_version: -1 }),
+            state: RwLock::new(State::default()),
             pending: Mutex::new(Vec::new()),
             group: Group::new(MAX_GROUP),
+            checkpointer,
         };
         backend.reload()?;
         Ok(backend)
@@ -343,27 +361,44 @@ impl SqliteBackend {
 
     /// Brings the in-memory state up to the database's when another connection committed.
     fn refresh(&self) -> Result<(), DbError> {
-        let conn = lock(&self.conn);
-        if data_version(&conn).map_err(|e| self.error(e))? == *lock(&self.data_version) {
-            return Ok(());
+        self.on_free_connection(|conn, last_seen| {
+            // Read first: a commit after this read makes the next refresh catch up again.
+            let seen = data_version(conn).map_err(|e| self.error(e))?;
+            if seen == *last_seen {
+                return Ok(());
+            }
+            // One read transaction: the version and the rows it reads agree.
+            let tx = conn.unchecked_transaction().map_err(|e| self.error(e))?;
+            self.catch_up(&tx)?;
+            drop(tx);
+            *last_seen = seen;
+            Ok(())
+        })
+    }
+
+    /// Runs `read` with a connection and its last seen `data_version`: the writing one when
+    /// it is free (its pages are cached, and this process's own commits do not count as
+    /// changes there), else the reading one, so that a read never waits for a transaction.
+    fn on_free_connection<T>(&self, read: impl FnOnce(&Connection, &mut i64) -> T) -> T {
+        if let Some(conn) = try_lock(&self.conn) {
+            return read(&conn, &mut lock(&self.data_version));
         }
-        // One read transaction: the version and the rows it reads agree.
-        let tx = conn.unchecked_transaction().map_err(|e| self.error(e))?;
-        self.catch_up(&tx)?;
-        Ok(())
+        let mut reader = lock(&self.reader);
+        let Reader { conn, data_version } = &mut *reader;
+        read(conn, data_version)
     }
 
     /// Brings the in-memory state up to the database's version and returns that version.
     /// Run it inside a transaction. Only the documents written since the version the state
     /// holds are read (deleted ones keep their row with a NULL body), applied commit by
     /// commit; then the state takes the database's own version, so a commit that wrote no
-    /// document can never make a later catch-up skip another process's commit.
+    /// document can never make a later catch-up skip another process's commit. A state
+    /// already newer than this transaction's (the writing connection committed after the
+    /// reading one began) stays as it is.
     fn catch_up(&self, conn: &Connection) -> Result<u64, DbError> {
-        // Read first: a commit after this read makes the next refresh catch up again.
-        let seen = data_version(conn).map_err(|e| self.error(e))?;
         let version = db_version(conn).map_err(|e| self.error(e))?;
         let mut state = write(&self.state);
-        if state.version() != version {
+        if state.version() < version {
             let mut stmt = conn
                 .prepare_cached("SELECT ns, key, body, version FROM docs WHERE version > ?1 ORDER BY version")
                 .map_err(|e| self.error(e))?;
@@ -381,7 +416,6 @@ impl SqliteBackend {
                 .map_err(|e| self.error(e))?;
             apply_commits(&mut state, &rows, version);
         }
-        *lock(&self.data_version) = seen;
         Ok(version)
     }
 
@@ -474,6 +508,21 @@ impl SqliteBackend {
     }
 }
 
+/// A connection to the database at `path`, set up for this backend's statements.
+fn connect(path: &Path, flags: OpenFlags) -> rusqlite::Result<Connection> {
+    let conn = Connection::open_with_flags(path, flags)?;
+    conn.busy_timeout(Duration::from_secs(30))?;
+    // Room for every statement of the commit path and the registry (16 by default).
+    conn.set_prepared_statement_cache_capacity(64);
+    // Plan each statement once. SQLite marks a statement whose plan may depend on a
+    // bound value (a `LIMIT ?`, as in a claim) to be planned again when that value is
+    // bound anew, and rusqlite's statement cache clears the bindings of every statement
+    // it takes back: such a statement was planned on every use (a worker spent 4.6 % of
+    // its time re-planning its claim). No plan here depends on a bound value.
+    conn.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
+    Ok(conn)
+}
+
 /// The process that holds `run_id`, if the run is registered. Read in a write transaction, it
 /// fences the write: under the write lock, no other process can take the run over before
 /// the write commits.
@@ -555,8 +604,7 @@ impl Backend for SqliteBackend {
     }
 
     fn cached(&self, key: &str) -> Option<Value> {
-        let conn = lock(&self.conn);
-        self.cached_in(&conn, key).unwrap_or_else(|e| {
+        self.on_free_connection(|conn, _| self.cached_in(conn, key)).unwrap_or_else(|e| {
             tracing::warn!("cannot read the result cache: {e}");
             None
         })
@@ -684,6 +732,7 @@ impl SqliteBackend {
     ) -> Result<Vec<Result<Vec<Change>, StepError>>, CommitError> {
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| self.commit_error(e))?;
         // Validated against the database's state; versions follow the database's counter.
+        let seen = data_version(&tx).map_err(|e| self.commit_error(e))?;
         let base = self.catch_up(&tx).map_err(|e| self.commit_error(e))?;
         let mut state = read(&self.state).clone();
         let flushed = self.write_pending(&tx)?;
@@ -712,8 +761,9 @@ impl SqliteBackend {
         }
         tx.commit().map_err(|e| self.commit_error(e))?;
         lock(&self.pending).drain(..flushed);
-        // Our own commit changed data_version only for other connections; ours is current.
+        // This connection's data_version ignores its own commit: the state is current as of it.
         *write(&self.state) = state;
+        *lock(&self.data_version) = seen;
         Ok(outcomes)
     }
 
@@ -776,6 +826,11 @@ impl SqliteBackend {
     /// commits were grouped).
     pub fn transactions(&self) -> u64 {
         self.group.batches()
+    }
+
+    /// Checkpoints made off the commits' path so far ([`checkpoint`]).
+    pub fn checkpoints(&self) -> u64 {
+        self.checkpointer.checkpoints()
     }
 }
 
@@ -1093,6 +1148,34 @@ mod tests {
             assert_eq!(seqs, (0..commits).collect::<Vec<_>>());
         }
         assert!(transactions < total, "{transactions} transactions for {total} commits: none were grouped");
+    }
+
+    #[test]
+    fn snapshots_and_cache_lookups_do_not_wait_for_a_transaction_in_progress() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let db = std::sync::Arc::new(open(&path));
+        db.seed(&state()).unwrap();
+        db.commit(&Txn::new(db.snapshot(), WriteQuota::default()), Some(("k", &json!("out"))), &[]).unwrap();
+        // Another process commits, so that the next snapshot has to catch up.
+        let other = open(&path);
+        let mut txn = Txn::new(other.snapshot(), WriteQuota::default());
+        txn.put("pools", "p", r#"{"allocated":7}"#).unwrap();
+        other.commit(&txn, None, &[]).unwrap();
+        // A group's transaction in progress holds the writing connection...
+        let writing = lock(&db.conn);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = db.clone();
+        std::thread::spawn(move || {
+            let allocated = reader.snapshot().get("pools", "p").map(|d| d.text.to_string());
+            tx.send((allocated, reader.cached("k"))).unwrap();
+        });
+        // ...and a run's snapshot and its cache lookup are served meanwhile, up to date.
+        let served = rx.recv_timeout(Duration::from_secs(20));
+        drop(writing);
+        let (allocated, cached) = served.expect("a snapshot or a cache lookup waited for the writing connection");
+        assert_eq!(allocated.as_deref(), Some(r#"{"allocated":7}"#));
+        assert_eq!(cached, Some(json!("out")));
     }
 
     #[test]

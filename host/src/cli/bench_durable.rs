@@ -171,10 +171,11 @@ pub async fn run(
     }
     for durability in [Durability::Normal, Durability::Full] {
         let db = fresh_sqlite(durability)?;
-        let (rate, per_transaction, bytes) = concurrent_ct1(runtime, &db, sagas_dir, (sagas / 4).max(640), 64).await?;
+        let (rate, per_transaction, checkpoints, bytes) =
+            concurrent_ct1(runtime, &db, sagas_dir, (sagas / 4).max(640), 64).await?;
         out.rates.push((
             format!(
-                "durable ct1 sagas/s, 64 in flight, one process, {} ({per_transaction:.1} journal records per transaction, journal {bytes} bytes/saga)",
+                "durable ct1 sagas/s, 64 in flight, one process, {} ({per_transaction:.1} journal records per transaction, {checkpoints} checkpoints off the commits' path, journal {bytes} bytes/saga)",
                 db.label()
             ),
             rate,
@@ -340,14 +341,15 @@ async fn sequential_ct1(
 
 /// CT1 sagas, `in_flight` at a time, in one process on the SQLite database `db`: concurrent
 /// runs' steps share transactions (group commit). Returns sagas/s, journal records per
-/// transaction and journal bytes per saga (what says whether whole runs were timed).
+/// transaction, checkpoints made off the commits' path and journal bytes per saga (what
+/// says whether whole runs were timed).
 async fn concurrent_ct1(
     runtime: &Arc<Runtime>,
     db: &Fresh,
     sagas_dir: &Path,
     sagas: usize,
     in_flight: usize,
-) -> anyhow::Result<(f64, f64, u64)> {
+) -> anyhow::Result<(f64, f64, u64, u64)> {
     let (saga, state, inputs) = ct1(runtime, sagas_dir)?;
     let backend = Arc::new(backend::SqliteBackend::open(Path::new(&db.url()), db.durability)?);
     backend.seed_if_new(&state)?;
@@ -385,7 +387,7 @@ async fn concurrent_ct1(
         bytes += backend.journal_bytes(&run.run_id)?;
     }
     let per_transaction = records as f64 / backend.transactions().max(1) as f64;
-    Ok((rate, per_transaction, bytes / runs.len().max(1) as u64))
+    Ok((rate, per_transaction, backend.checkpoints(), bytes / runs.len().max(1) as u64))
 }
 
 /// Queues `runs` CT1 runs in `db` and times `workers` `sagabox worker` processes draining
