@@ -342,6 +342,16 @@ fn allocations_of(saga: &str) -> (usize, u64) {
     }
 }
 
+/// What the journal of `run_id` says its first failed step failed with, for a message.
+fn first_failure(db: &dyn Backend, run_id: &str) -> String {
+    let events = db.events(run_id).unwrap_or_default();
+    let failed = events.iter().find(|e| e.event == EventKind::StepFailed);
+    failed.map_or(String::new(), |e| {
+        let error = e.error.as_ref().map_or("no error recorded".to_string(), |e| format!("{}: {}", e.code, e.message));
+        format!(" (step {:?} failed: {error})", e.step.as_deref().unwrap_or("?"))
+    })
+}
+
 /// Checks a database after its last resume: `runs` are the runs started on it. Returns how
 /// each registered run ended.
 fn check_all_or_nothing(db: &Db, runs: &[(String, Plan)], context: &str) -> Vec<String> {
@@ -376,7 +386,12 @@ fn check_all_or_nothing(db: &Db, runs: &[(String, Plan)], context: &str) -> Vec<
         // A resume does not inject the faults again: a run killed before its fault fired
         // completes.
         let completed = record.status == "completed";
-        assert!(record.status == plan.expect || (completed && !plan.faults.is_empty()), "{context}: {}", record.status);
+        assert!(
+            record.status == plan.expect || (completed && !plan.faults.is_empty()),
+            "{context}: {}{}",
+            record.status,
+            first_failure(&*db, run_id)
+        );
         outcomes.push(record.status.clone());
         let (count, units) = allocations_of(plan.saga);
         for effect in &effects {
