@@ -5,22 +5,29 @@
 //! one transaction, hands each caller its outcome, and wakes them. Requests that arrive
 //! meanwhile form the next batch. One caller alone is a batch of one, so nothing waits for
 //! company; under load, the transaction's fixed cost (and its fsync) is shared.
+//!
+//! A batch's end wakes its own callers and the first caller queued after them (to lead the
+//! next batch), each by its thread, not every waiting thread: woken all at once, the callers
+//! of the next batch woke only to sleep again, after fighting for the queue's lock.
 
 use std::collections::HashMap;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
+use std::thread::Thread;
 
 use super::lock;
 
 /// Requests of type `R` waiting to be written, and outcomes of type `O` to hand back.
 pub struct Group<R, O> {
     queue: Mutex<Queue<R, O>>,
-    done: Condvar,
     /// Most requests one batch takes: a bound on how long its transaction runs.
     max_batch: usize,
 }
 
 struct Queue<R, O> {
-    waiting: Vec<(u64, R)>,
+    /// Requests not yet taken by a leader, with their callers' threads.
+    waiting: Vec<(u64, R, Thread)>,
+    /// The callers of the batch being written, but the leader.
+    writing: Vec<Thread>,
     /// Outcomes not yet taken by their caller; `None`: the batch's leader panicked.
     outcomes: HashMap<u64, Option<O>>,
     next_ticket: u64,
@@ -38,12 +45,12 @@ impl<R, O> Group<R, O> {
         Group {
             queue: Mutex::new(Queue {
                 waiting: Vec::new(),
+                writing: Vec::new(),
                 outcomes: HashMap::new(),
                 next_ticket: 0,
                 leading: false,
                 batches: 0,
             }),
-            done: Condvar::new(),
             max_batch: max_batch.max(1),
         }
     }
@@ -55,18 +62,30 @@ impl<R, O> Group<R, O> {
         let mut queue = lock(&self.queue);
         let ticket = queue.next_ticket;
         queue.next_ticket += 1;
-        queue.waiting.push((ticket, request));
+        queue.waiting.push((ticket, request, std::thread::current()));
         loop {
             if let Some(outcome) = queue.outcomes.remove(&ticket) {
                 return outcome.ok_or(LeaderPanicked);
             }
             if queue.leading {
-                queue = self.done.wait(queue).unwrap_or_else(|p| p.into_inner());
+                // Woken by the end of the batch holding the request, or to lead the next one;
+                // a wake-up for neither (`park` may return spuriously) just waits again.
+                drop(queue);
+                std::thread::park();
+                queue = lock(&self.queue);
                 continue;
             }
             queue.leading = true;
             let take = queue.waiting.len().min(self.max_batch);
-            let (tickets, requests): (Vec<u64>, Vec<R>) = queue.waiting.drain(..take).unzip();
+            let (mut tickets, mut requests) = (Vec::with_capacity(take), Vec::with_capacity(take));
+            let Queue { waiting, writing, .. } = &mut *queue;
+            for (t, request, thread) in waiting.drain(..take) {
+                if t != ticket {
+                    writing.push(thread);
+                }
+                tickets.push(t);
+                requests.push(request);
+            }
             drop(queue);
             let mut leading = Leading { group: self, tickets, own: ticket };
             let outcomes = write(requests);
@@ -98,7 +117,7 @@ impl<'a, R, O> Leading<'a, R, O> {
         }
         queue.leading = false;
         queue.batches += 1;
-        self.group.done.notify_all();
+        wake_after_batch(&mut queue);
         queue
     }
 }
@@ -116,9 +135,20 @@ impl<R, O> Drop for Leading<'_, R, O> {
         }
         // The leader's own request, if a later batch was to hold it, is withdrawn with it.
         let own = self.own;
-        queue.waiting.retain(|(ticket, _)| *ticket != own);
+        queue.waiting.retain(|(ticket, _, _)| *ticket != own);
         queue.leading = false;
-        self.group.done.notify_all();
+        wake_after_batch(&mut queue);
+    }
+}
+
+/// Wakes the callers of the batch just written (their outcomes are in) and the first caller
+/// still queued, who leads the next batch.
+fn wake_after_batch<R, O>(queue: &mut Queue<R, O>) {
+    for thread in queue.writing.drain(..) {
+        thread.unpark();
+    }
+    if let Some((_, _, next)) = queue.waiting.first() {
+        next.unpark();
     }
 }
 

@@ -306,7 +306,12 @@ fn finished_status(event: &Event) -> Option<&str> {
 
 /// A journal record that is already there.
 fn duplicate_event(event: &Event) -> String {
-    format!("run '{}': journal record seq {} already exists", event.run_id, event.seq)
+    duplicate_record(&event.run_id, event.seq)
+}
+
+/// The journal record `seq` of `run_id` is already there.
+fn duplicate_record(run_id: &str, seq: u64) -> String {
+    format!("run '{run_id}': journal record seq {seq} already exists")
 }
 
 fn now_ms() -> u64 {

@@ -3,9 +3,9 @@
 //!
 //! A call's writes, its cached result and the journal events that record it commit in one
 //! SQLite transaction: the state and the journal never disagree. Steps of concurrent runs
-//! share transactions (group commit, [`super::group`]): each is still atomic on its own (a
-//! savepoint), and each caller returns only once the transaction holding its step
-//! committed. The database runs in WAL mode. `synchronous=NORMAL` (the default) survives a
+//! share transactions (group commit, [`super::group`]): each is still atomic on its own
+//! (checked before it writes; a savepoint where a refusal could come after a write), and
+//! each caller returns only once the transaction holding its step committed. The database runs in WAL mode. `synchronous=NORMAL` (the default) survives a
 //! killed process: every committed transaction is in the WAL; after a power loss the last
 //! transactions may be lost, but the database stays consistent with its journal.
 //! `synchronous=FULL` also survives power loss at the cost of an fsync per transaction.
@@ -180,7 +180,7 @@ pub struct SqliteBackend {
     /// The state as of the database's version `state.version()`.
     state: RwLock<State>,
     /// Events with no state change, written with the next commit (or at a run's start and end).
-    pending: Mutex<Vec<Event>>,
+    pending: Mutex<Vec<Record>>,
     /// Step commits of concurrent runs, written many to a transaction.
     group: Group<StepCommit, Result<Vec<Change>, StepError>>,
     /// Checkpoints, made off the commits' path.
@@ -192,12 +192,39 @@ const MAX_GROUP: usize = 256;
 
 /// One step's commit (or, without `txn`, journal records that must be written at once, or
 /// a run to register), owned so that whichever caller leads the group can write it.
+///
+/// Its records and result come serialized by the caller: the leader's time is what every
+/// run with a step in the group waits for, so nothing is done there that callers can do
+/// for themselves.
 #[derive(Default)]
 struct StepCommit {
     txn: Option<Txn>,
-    result: Option<(String, Value)>,
-    events: Vec<Event>,
+    /// The call's idempotency key and its output (JSON text).
+    result: Option<(String, String)>,
+    events: Vec<Record>,
     run: Option<RunRecord>,
+}
+
+/// A journal record as the `events` table holds it.
+#[derive(Clone)]
+struct Record {
+    run_id: String,
+    seq: u64,
+    /// The event, as JSON.
+    body: String,
+    /// The run's status, when the record ends the run.
+    finished: Option<String>,
+}
+
+impl Record {
+    fn of(event: &Event) -> serde_json::Result<Record> {
+        Ok(Record {
+            run_id: event.run_id.clone(),
+            seq: event.seq,
+            body: serde_json::to_string(event)?,
+            finished: finished_status(event).map(str::to_string),
+        })
+    }
 }
 
 /// The reading connection.
@@ -258,8 +285,8 @@ impl StepError {
 }
 
 /// A journal record that is already there: another process writes this run's journal.
-fn duplicate_event(event: &Event) -> String {
-    format!("{} (another process writes this run)", super::duplicate_event(event))
+fn duplicate_event(record: &Record) -> String {
+    format!("{} (another process writes this run)", super::duplicate_record(&record.run_id, record.seq))
 }
 
 impl SqliteBackend {
@@ -442,10 +469,10 @@ impl SqliteBackend {
     fn write_pending(&self, conn: &Connection) -> Result<usize, CommitError> {
         let pending = lock(&self.pending).clone();
         // A run another process took over gets nothing more from this one.
-        let taken_over = self.taken_over(conn, pending.iter().map(|e| e.run_id.as_str()))?;
-        for event in pending.iter().filter(|e| !taken_over.contains(e.run_id.as_str())) {
-            match self.write_record(conn, event) {
-                Err(e) if is_constraint(&e) => tracing::warn!("dropping a journal record: {}", duplicate_event(event)),
+        let taken_over = self.taken_over(conn, pending.iter().map(|r| r.run_id.as_str()))?;
+        for record in pending.iter().filter(|r| !taken_over.contains(r.run_id.as_str())) {
+            match self.write_record(conn, record) {
+                Err(e) if is_constraint(&e) => tracing::warn!("dropping a journal record: {}", duplicate_event(record)),
                 Err(e) => return Err(self.commit_error(e)),
                 Ok(()) => {}
             }
@@ -470,11 +497,11 @@ impl SqliteBackend {
         Ok(taken_over)
     }
 
-    /// Writes `events` in `conn`'s transaction; a record that is already there is an error.
-    fn write_events(&self, conn: &Connection, events: &[Event]) -> Result<(), StepError> {
-        for event in events {
-            self.write_record(conn, event).map_err(|e| match is_constraint(&e) {
-                true => StepError::Duplicate(self.commit_error(duplicate_event(event))),
+    /// Writes `records` in `conn`'s transaction; one that is already there is an error.
+    fn write_events(&self, conn: &Connection, records: &[Record]) -> Result<(), StepError> {
+        for record in records {
+            self.write_record(conn, record).map_err(|e| match is_constraint(&e) {
+                true => StepError::Duplicate(self.commit_error(duplicate_event(record))),
                 false => StepError::Failed(self.commit_error(e)),
             })?;
         }
@@ -482,18 +509,22 @@ impl SqliteBackend {
     }
 
     /// Writes one journal record, and the run's end if it ends the run.
-    fn write_record(&self, conn: &Connection, event: &Event) -> rusqlite::Result<()> {
-        let body = serde_json::to_string(event).map_err(|e| rusqlite::Error::ToSqlConversionFailure(e.into()))?;
+    fn write_record(&self, conn: &Connection, record: &Record) -> rusqlite::Result<()> {
         conn.prepare_cached("INSERT INTO events (run_id, seq, body) VALUES (?1, ?2, ?3)")?.execute(params![
-            event.run_id,
-            event.seq as i64,
-            body
+            record.run_id,
+            record.seq as i64,
+            record.body
         ])?;
-        if let Some(status) = finished_status(event) {
+        if let Some(status) = &record.finished {
             conn.prepare_cached("UPDATE runs SET status = ?1, finished_ms = ?2 WHERE run_id = ?3")?
-                .execute(params![status, now_ms() as i64, event.run_id])?;
+                .execute(params![status, now_ms() as i64, record.run_id])?;
         }
         Ok(())
+    }
+
+    /// `events` as records, serialized here on the caller's thread.
+    fn records(&self, events: &[Event]) -> Result<Vec<Record>, CommitError> {
+        events.iter().map(|e| Record::of(e).map_err(|e| self.commit_error(format!("a journal record: {e}")))).collect()
     }
 
     /// The output cached under `key`, read in `conn`'s transaction.
@@ -553,24 +584,25 @@ impl Backend for SqliteBackend {
     fn commit(&self, txn: &Txn, result: Option<(&str, &Value)>, events: &[Event]) -> Result<Vec<Change>, CommitError> {
         let step = StepCommit {
             txn: Some(txn.clone()),
-            result: result.map(|(key, output)| (key.to_string(), output.clone())),
-            events: events.to_vec(),
+            result: result.map(|(key, output)| (key.to_string(), output.to_string())),
+            events: self.records(events)?,
             run: None,
         };
         self.write_step(step).map_err(StepError::into_commit_error)
     }
 
     fn record(&self, events: &[Event]) -> Result<(), CommitError> {
+        let records = self.records(events)?;
         if !write_at_once(events) {
-            lock(&self.pending).extend_from_slice(events);
+            lock(&self.pending).extend(records);
             return Ok(());
         }
-        match self.write_step(StepCommit { events: events.to_vec(), ..StepCommit::default() }) {
+        match self.write_step(StepCommit { events: records.clone(), ..StepCommit::default() }) {
             Ok(_) => Ok(()),
             Err(StepError::Duplicate(e) | StepError::Failed(e @ CommitError::TakenOver { .. })) => Err(e),
             // Kept for the next commit.
             Err(e) => {
-                lock(&self.pending).extend_from_slice(events);
+                lock(&self.pending).extend(records);
                 Err(e.into_commit_error())
             }
         }
@@ -738,16 +770,11 @@ impl SqliteBackend {
         let flushed = self.write_pending(&tx)?;
         let mut version = base;
         let mut outcomes = Vec::with_capacity(steps.len());
-        // Savepoint statements prepared once: parsing them per step cost more than writing.
-        let statement =
-            |sql: &str| tx.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(|e| self.commit_error(e));
         for step in steps {
-            statement("SAVEPOINT step")?;
-            let outcome = self.write_one(&tx, &state, version + 1, step);
-            if outcome.is_err() {
-                statement("ROLLBACK TO step")?;
-            }
-            statement("RELEASE step")?;
+            let outcome = match self.refusal(&tx, &state, step) {
+                Some(refused) => Err(refused),
+                None => self.write_checked(&tx, &state, version + 1, step)?,
+            };
             if let (Ok(_), Some(txn)) = (&outcome, &step.txn) {
                 version += 1;
                 state.apply(version, txn.writes());
@@ -767,8 +794,63 @@ impl SqliteBackend {
         Ok(outcomes)
     }
 
-    /// Writes one step in `conn`'s transaction as version `version`, against `state` (the
-    /// database's, with the group's earlier steps).
+    /// Why `step` must not be written, if it must not: read in `conn`'s transaction, against
+    /// `state` (the database's, with the group's earlier steps), before it writes anything.
+    fn refusal(&self, conn: &Connection, state: &State, step: &StepCommit) -> Option<StepError> {
+        let check = || -> Result<(), CommitError> {
+            // Under the write lock: a run another process took over is no longer written here...
+            if let Some(run_id) = step.events.first().map(|e| &e.run_id)
+                && let Some(owner) = owner_of(conn, run_id).map_err(|e| self.commit_error(e))?
+            {
+                CommitError::unless_held(run_id, &owner)?;
+            }
+            // ...and another delivery of this call that committed first wins.
+            if let Some((key, _)) = &step.result
+                && let Some(output) = self.cached_in(conn, key)?
+            {
+                return Err(CommitError::AlreadyCommitted(output));
+            }
+            match &step.txn {
+                Some(txn) => txn.validate(state).map_err(CommitError::from),
+                None => Ok(()),
+            }
+        };
+        check().err().map(StepError::Failed)
+    }
+
+    /// Writes `step`, which passed its checks, as version `version`. What can still refuse
+    /// it is a row already there (its run, a journal record), and those are its first
+    /// writes: with one of them, a refusal leaves nothing to undo (SQLite undoes a failed
+    /// statement itself); with several, the step is written under a savepoint, which costs a
+    /// copy of every page the step touches (a tenth of the writer's time when every step
+    /// had one). Without a savepoint, a step the database fails to write fails the whole
+    /// transaction (`Err`): it may hold half the step.
+    fn write_checked(
+        &self,
+        conn: &Connection,
+        state: &State,
+        version: u64,
+        step: &StepCommit,
+    ) -> Result<Result<Vec<Change>, StepError>, CommitError> {
+        let statement =
+            |sql: &str| conn.prepare_cached(sql).and_then(|mut s| s.execute([])).map_err(|e| self.commit_error(e));
+        let guarded = usize::from(step.run.is_some()) + step.events.len() > 1;
+        if !guarded {
+            return match self.write_one(conn, state, version, step) {
+                Err(StepError::Failed(e)) => Err(e),
+                outcome => Ok(outcome),
+            };
+        }
+        statement("SAVEPOINT step")?;
+        let outcome = self.write_one(conn, state, version, step);
+        if outcome.is_err() {
+            statement("ROLLBACK TO step")?;
+        }
+        statement("RELEASE step")?;
+        Ok(outcome)
+    }
+
+    /// Writes `step` in `conn`'s transaction, the rows that may already be there first.
     fn write_one(
         &self,
         conn: &Connection,
@@ -783,21 +865,9 @@ impl SqliteBackend {
                 other => other.map_err(failed)?,
             }
         }
-        // Under the write lock: a run another process took over is no longer written here...
-        if let Some(run_id) = step.events.first().map(|e| &e.run_id)
-            && let Some(owner) = owner_of(conn, run_id).map_err(failed)?
-        {
-            CommitError::unless_held(run_id, &owner).map_err(StepError::Failed)?;
-        }
-        // ...and another delivery of this call that committed first wins.
-        if let Some((key, _)) = &step.result
-            && let Some(output) = self.cached_in(conn, key).map_err(StepError::Failed)?
-        {
-            return Err(StepError::Failed(CommitError::AlreadyCommitted(output)));
-        }
+        self.write_events(conn, &step.events)?;
         let mut changes = Vec::new();
         if let Some(txn) = &step.txn {
-            txn.validate(state).map_err(|e| StepError::Failed(e.into()))?;
             changes = txn.changes(state);
             let mut put = conn
                 .prepare_cached("INSERT OR REPLACE INTO docs (ns, key, body, version) VALUES (?1, ?2, ?3, ?4)")
@@ -815,10 +885,9 @@ impl SqliteBackend {
         if let Some((key, output)) = &step.result {
             let run_id = step.events.first().map_or("", |e| e.run_id.as_str());
             conn.prepare_cached("INSERT INTO results (key, run_id, output) VALUES (?1, ?2, ?3)")
-                .and_then(|mut s| s.execute(params![key, run_id, output.to_string()]))
+                .and_then(|mut s| s.execute(params![key, run_id, output]))
                 .map_err(failed)?;
         }
-        self.write_events(conn, &step.events)?;
         Ok(changes)
     }
 
@@ -1049,18 +1118,27 @@ mod tests {
 
     /// A step that adds one to the counter `pools/{counter}` and writes `marks/{key}`.
     fn step(db: &SqliteBackend, counter: &str, key: &str, result: Option<&str>, event: Event) -> StepCommit {
+        StepCommit {
+            txn: Some(counting(db, counter, key)),
+            result: result.map(|k| (k.to_string(), json!(key).to_string())),
+            events: records(&[event]),
+            run: None,
+        }
+    }
+
+    /// A transaction that adds one to the counter `pools/{counter}` and writes `marks/{key}`.
+    fn counting(db: &SqliteBackend, counter: &str, key: &str) -> Txn {
         let mut txn = Txn::new(db.snapshot(), WriteQuota::default());
         let n = txn
             .get("pools", counter)
             .map_or(0, |t| serde_json::from_str::<Value>(&t).unwrap()["allocated"].as_u64().unwrap());
         txn.put("pools", counter, &json!({ "allocated": n + 1 }).to_string()).unwrap();
         txn.put("marks", key, "{}").unwrap();
-        StepCommit {
-            txn: Some(txn),
-            result: result.map(|k| (k.to_string(), json!(key))),
-            events: vec![event],
-            run: None,
-        }
+        txn
+    }
+
+    fn records(events: &[Event]) -> Vec<Record> {
+        events.iter().map(|e| Record::of(e).unwrap()).collect()
     }
 
     #[test]
@@ -1080,7 +1158,12 @@ mod tests {
             step(&db, "p", "again", Some("cached"), event("t", 0, EventKind::StepCompleted)),
             // A journal record that is already there.
             step(&db, "q", "dup", None, event("r", 0, EventKind::StepCompleted)),
-            StepCommit { events: vec![event("r", 2, EventKind::SagaFinished)], ..StepCommit::default() },
+            // Two records, the second already there: the first is taken back.
+            StepCommit {
+                events: records(&[event("u", 0, EventKind::StepStarted), event("r", 0, EventKind::StepCompleted)]),
+                ..step(&db, "q", "half", None, event("u", 0, EventKind::StepStarted))
+            },
+            StepCommit { events: records(&[event("r", 2, EventKind::SagaFinished)]), ..StepCommit::default() },
             // A run registered with the others, and one registered before.
             StepCommit { run: Some(run_record("new", 1)), ..StepCommit::default() },
             StepCommit { run: Some(run_record("old", 2)), ..StepCommit::default() },
@@ -1090,8 +1173,9 @@ mod tests {
         assert!(matches!(&outcomes[1], Err(StepError::Failed(CommitError::Conflict(c))) if c.key == "p"));
         assert!(matches!(&outcomes[2], Err(StepError::Failed(CommitError::AlreadyCommitted(v))) if v == "first"));
         assert!(matches!(&outcomes[3], Err(StepError::Duplicate(_))));
-        assert!(outcomes[4].is_ok() && outcomes[5].is_ok());
-        assert!(matches!(&outcomes[6], Err(StepError::RunExists)));
+        assert!(matches!(&outcomes[4], Err(StepError::Duplicate(_))));
+        assert!(outcomes[5].is_ok() && outcomes[6].is_ok());
+        assert!(matches!(&outcomes[7], Err(StepError::RunExists)));
         // What a refused step wrote before it was refused is gone; the others are durable.
         drop(db);
         let db = open(&path);
@@ -1104,6 +1188,7 @@ mod tests {
         let kinds: Vec<EventKind> = db.events("r").unwrap().into_iter().map(|e| e.event).collect();
         assert_eq!(kinds, [EventKind::SagaStarted, EventKind::StepCompleted, EventKind::SagaFinished]);
         assert!(db.events("s").unwrap().is_empty() && db.events("t").unwrap().is_empty());
+        assert!(db.events("u").unwrap().is_empty(), "a refused step's first record stayed");
         let mut runs: Vec<(String, u32)> = db.runs().unwrap().into_iter().map(|r| (r.run_id, r.pid)).collect();
         runs.sort();
         assert_eq!(runs, [("new".to_string(), 1), ("old".to_string(), 1)], "the first registration of 'old' stands");
@@ -1125,9 +1210,8 @@ mod tests {
                     let run = format!("run{t}");
                     for seq in 0..commits {
                         // Each run writes its own counter: nothing conflicts, so nothing may fail.
-                        let StepCommit { txn, events, .. } =
-                            step(&db, &run, &format!("{t}-{seq}"), None, event(&run, seq, EventKind::StepCompleted));
-                        db.commit(&txn.unwrap(), None, &events).unwrap();
+                        let txn = counting(&db, &run, &format!("{t}-{seq}"));
+                        db.commit(&txn, None, &[event(&run, seq, EventKind::StepCompleted)]).unwrap();
                     }
                 })
             })
