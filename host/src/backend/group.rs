@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 use std::thread::Thread;
+use std::time::{Duration, Instant};
 
 use super::lock;
 
@@ -34,6 +35,8 @@ struct Queue<R, O> {
     leading: bool,
     /// Batches written so far: how well requests were grouped.
     batches: u64,
+    /// Time spent writing them: against the wall time, how busy the writer was.
+    writing_time: Duration,
 }
 
 /// The leader of the batch that held a request panicked; nothing is known of its outcome.
@@ -50,6 +53,7 @@ impl<R, O> Group<R, O> {
                 next_ticket: 0,
                 leading: false,
                 batches: 0,
+                writing_time: Duration::ZERO,
             }),
             max_batch: max_batch.max(1),
         }
@@ -88,14 +92,20 @@ impl<R, O> Group<R, O> {
             }
             drop(queue);
             let mut leading = Leading { group: self, tickets, own: ticket };
+            let started = Instant::now();
             let outcomes = write(requests);
-            queue = leading.finish(outcomes);
+            queue = leading.finish(outcomes, started.elapsed());
         }
     }
 
     /// Batches written so far.
     pub fn batches(&self) -> u64 {
         lock(&self.queue).batches
+    }
+
+    /// Time spent writing batches so far.
+    pub fn writing_time(&self) -> Duration {
+        lock(&self.queue).writing_time
     }
 }
 
@@ -108,7 +118,7 @@ struct Leading<'a, R, O> {
 }
 
 impl<'a, R, O> Leading<'a, R, O> {
-    fn finish(&mut self, outcomes: Vec<O>) -> MutexGuard<'a, Queue<R, O>> {
+    fn finish(&mut self, outcomes: Vec<O>, took: Duration) -> MutexGuard<'a, Queue<R, O>> {
         let mut queue = lock(&self.group.queue);
         let mut outcomes = outcomes.into_iter();
         for ticket in std::mem::take(&mut self.tickets) {
@@ -117,6 +127,7 @@ impl<'a, R, O> Leading<'a, R, O> {
         }
         queue.leading = false;
         queue.batches += 1;
+        queue.writing_time += took;
         wake_after_batch(&mut queue);
         queue
     }

@@ -897,6 +897,12 @@ impl SqliteBackend {
         self.group.batches()
     }
 
+    /// Time spent writing transactions of steps so far: against the wall time, how busy the
+    /// one writer was (every run with a step in a transaction waits for it).
+    pub fn writing_time(&self) -> Duration {
+        self.group.writing_time()
+    }
+
     /// Checkpoints made off the commits' path so far ([`checkpoint`]).
     pub fn checkpoints(&self) -> u64 {
         self.checkpointer.checkpoints()

@@ -171,14 +171,17 @@ pub async fn run(
     }
     for durability in [Durability::Normal, Durability::Full] {
         let db = fresh_sqlite(durability)?;
-        let (rate, per_transaction, checkpoints, bytes) =
-            concurrent_ct1(runtime, &db, sagas_dir, (sagas / 4).max(640), 64).await?;
+        let run = concurrent_ct1(runtime, &db, sagas_dir, (sagas / 4).max(640), 64).await?;
         out.rates.push((
             format!(
-                "durable ct1 sagas/s, 64 in flight, one process, {} ({per_transaction:.1} journal records per transaction, {checkpoints} checkpoints off the commits' path, journal {bytes} bytes/saga)",
-                db.label()
+                "durable ct1 sagas/s, 64 in flight, one process, {} ({:.1} journal records per transaction, writer busy {:.0} % of the time, {} checkpoints off the commits' path, journal {} bytes/saga)",
+                db.label(),
+                run.records_per_transaction,
+                run.writer_busy * 100.0,
+                run.checkpoints,
+                run.journal_bytes
             ),
-            rate,
+            run.rate,
         ));
     }
     match pg_url {
@@ -339,17 +342,26 @@ async fn sequential_ct1(
     Ok((sagas as f64 / started.elapsed().as_secs_f64(), backend.journal_bytes("d0")?))
 }
 
+/// What [`concurrent_ct1`] measured.
+struct Concurrent {
+    rate: f64,
+    records_per_transaction: f64,
+    /// The share of the wall time the group's writer spent writing.
+    writer_busy: f64,
+    checkpoints: u64,
+    /// Per saga: what says whether whole runs were timed.
+    journal_bytes: u64,
+}
+
 /// CT1 sagas, `in_flight` at a time, in one process on the SQLite database `db`: concurrent
-/// runs' steps share transactions (group commit). Returns sagas/s, journal records per
-/// transaction, checkpoints made off the commits' path and journal bytes per saga (what
-/// says whether whole runs were timed).
+/// runs' steps share transactions (group commit).
 async fn concurrent_ct1(
     runtime: &Arc<Runtime>,
     db: &Fresh,
     sagas_dir: &Path,
     sagas: usize,
     in_flight: usize,
-) -> anyhow::Result<(f64, f64, u64, u64)> {
+) -> anyhow::Result<Concurrent> {
     let (saga, state, inputs) = ct1(runtime, sagas_dir)?;
     let backend = Arc::new(backend::SqliteBackend::open(Path::new(&db.url()), db.durability)?);
     backend.seed_if_new(&state)?;
@@ -379,15 +391,22 @@ async fn concurrent_ct1(
             return Err(e);
         }
     }
-    let rate = (per_task * in_flight) as f64 / started.elapsed().as_secs_f64();
+    let elapsed = started.elapsed();
+    let writer_busy = backend.writing_time().as_secs_f64() / elapsed.as_secs_f64();
+    let rate = (per_task * in_flight) as f64 / elapsed.as_secs_f64();
     let runs = backend.runs()?;
     let (mut records, mut bytes) = (0, 0);
     for run in &runs {
         records += backend.events(&run.run_id)?.len();
         bytes += backend.journal_bytes(&run.run_id)?;
     }
-    let per_transaction = records as f64 / backend.transactions().max(1) as f64;
-    Ok((rate, per_transaction, backend.checkpoints(), bytes / runs.len().max(1) as u64))
+    Ok(Concurrent {
+        rate,
+        records_per_transaction: records as f64 / backend.transactions().max(1) as f64,
+        writer_busy,
+        checkpoints: backend.checkpoints(),
+        journal_bytes: bytes / runs.len().max(1) as u64,
+    })
 }
 
 /// Queues `runs` CT1 runs in `db` and times `workers` `sagabox worker` processes draining
