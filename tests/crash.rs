@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sagabox::backend::{Backend, Durability, RunRecord};
-use sagabox::saga::journal::EventKind;
+use sagabox::saga::journal::{self, EventKind};
 use serde_json::{Value, json};
 use support::*;
 
@@ -345,11 +345,7 @@ fn allocations_of(saga: &str) -> (usize, u64) {
 /// What the journal of `run_id` says its first failed step failed with, for a message.
 fn first_failure(db: &dyn Backend, run_id: &str) -> String {
     let events = db.events(run_id).unwrap_or_default();
-    let failed = events.iter().find(|e| e.event == EventKind::StepFailed);
-    failed.map_or(String::new(), |e| {
-        let error = e.error.as_ref().map_or("no error recorded".to_string(), |e| format!("{}: {}", e.code, e.message));
-        format!(" (step {:?} failed: {error})", e.step.as_deref().unwrap_or("?"))
-    })
+    journal::first_failure(&events).map_or(String::new(), |failure| format!(" ({failure})"))
 }
 
 /// Checks a database after its last resume: `runs` are the runs started on it. Returns how

@@ -204,6 +204,31 @@ mod tests {
     }
 
     #[test]
+    fn callers_queued_behind_a_batch_are_each_woken_even_when_they_fill_several_batches() {
+        // Two requests a batch and eight callers: most wait behind one or more batches, and
+        // each batch's end must wake its own callers and whoever leads the next.
+        let group = Arc::new(Group::<u32, u32>::new(2));
+        let barrier = Arc::new(Barrier::new(8));
+        let (done, finished) = std::sync::mpsc::channel();
+        for n in 0..8u32 {
+            let (group, barrier, done) = (group.clone(), barrier.clone(), done.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                let outcome = group.submit(n, |batch| {
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                    batch.iter().map(|r| r + 100).collect()
+                });
+                done.send((n, outcome.unwrap())).unwrap();
+            });
+        }
+        for _ in 0..8 {
+            let (n, outcome) =
+                finished.recv_timeout(std::time::Duration::from_secs(20)).expect("a caller was never woken");
+            assert_eq!(outcome, n + 100);
+        }
+    }
+
+    #[test]
     fn a_panicking_leader_fails_its_batch_and_later_requests_go_on() {
         let group = Group::<u32, u32>::new(8);
         let panicked =

@@ -5,9 +5,10 @@
 //! SQLite transaction: the state and the journal never disagree. Steps of concurrent runs
 //! share transactions (group commit, [`super::group`]): each is still atomic on its own
 //! (checked before it writes; a savepoint where a refusal could come after a write), and
-//! each caller returns only once the transaction holding its step committed. The database runs in WAL mode. `synchronous=NORMAL` (the default) survives a
-//! killed process: every committed transaction is in the WAL; after a power loss the last
-//! transactions may be lost, but the database stays consistent with its journal.
+//! each caller returns only once the transaction holding its step committed. The database
+//! runs in WAL mode. `synchronous=NORMAL` (the default) survives a killed process: every
+//! committed transaction is in the WAL; after a power loss the last transactions may be
+//! lost, but the database stays consistent with its journal.
 //! `synchronous=FULL` also survives power loss at the cost of an fsync per transaction.
 //! Nothing else waits for a group's transaction: a run's reads between its commits go to a
 //! second connection while the writing one is busy, and checkpoints run on a thread of their
@@ -326,7 +327,7 @@ impl SqliteBackend {
         let reader = connect(path, flags).map_err(fail)?;
         reader.pragma_update(None, "query_only", true).map_err(fail)?;
         let checkpoints = connect(path, flags).map_err(fail)?;
-        let checkpointer = Checkpointer::start(checkpoints, &mut conn, path.display().to_string()).map_err(fail)?;
+        let checkpointer = Checkpointer::start(checkpoints, &mut conn, path.display().to_string())?;
         let backend = SqliteBackend {
             path: path.to_path_buf(),
             conn: Mutex::new(conn),
@@ -1198,6 +1199,34 @@ mod tests {
         let mut runs: Vec<(String, u32)> = db.runs().unwrap().into_iter().map(|r| (r.run_id, r.pid)).collect();
         runs.sort();
         assert_eq!(runs, [("new".to_string(), 1), ("old".to_string(), 1)], "the first registration of 'old' stands");
+    }
+
+    #[test]
+    fn a_step_the_database_fails_to_write_fails_its_whole_transaction_and_leaves_no_half() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let db = open(&path);
+        db.seed(&state()).unwrap();
+        // A document SQLite will not store, as a full disk would not: the step's journal
+        // record is written before it, and must not stay without it.
+        lock(&db.conn)
+            .execute_batch(
+                "CREATE TRIGGER poison BEFORE INSERT ON docs WHEN NEW.key = 'poison'
+                 BEGIN SELECT RAISE(ABORT, 'the disk refused it'); END;",
+            )
+            .unwrap();
+        let steps = vec![
+            step(&db, "p", "a", None, event("r", 0, EventKind::StepCompleted)),
+            step(&db, "q", "poison", None, event("u", 0, EventKind::StepCompleted)),
+        ];
+        for outcome in db.write_group(&steps) {
+            assert!(matches!(&outcome, Err(StepError::Failed(CommitError::Backend(m))) if m.contains("refused")));
+        }
+        drop(db);
+        let db = open(&path);
+        assert!(db.events("u").unwrap().is_empty(), "half a step was committed");
+        assert!(db.events("r").unwrap().is_empty() && db.current_state().unwrap().get("marks", "a").is_none());
+        assert_eq!(allocated(&db), 0);
     }
 
     #[test]

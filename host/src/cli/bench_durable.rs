@@ -280,10 +280,7 @@ fn check_ct1(run_id: &str, journal: &[Event]) -> anyhow::Result<()> {
     if declined && undone("hotel") && undone("flight") {
         return Ok(());
     }
-    let failure = journal.iter().find(|e| e.event == EventKind::StepFailed).map_or("no step failed".into(), |e| {
-        let error = e.error.as_ref().map_or("", |e| e.message.as_str());
-        format!("step '{}' failed: {error}", e.step.as_deref().unwrap_or("?"))
-    });
+    let failure = sagabox::saga::journal::first_failure(journal).unwrap_or_else(|| "no step failed".into());
     anyhow::bail!("durable ct1 run {run_id} did not roll back from its declined payment ({failure})")
 }
 

@@ -99,6 +99,14 @@ pub fn writes_by_document(
     by_doc
 }
 
+/// What the first failed step of `journal` failed with, for a message: `step 'id' failed:
+/// code: message`.
+pub fn first_failure(journal: &[Event]) -> Option<String> {
+    let failed = journal.iter().find(|e| e.event == EventKind::StepFailed)?;
+    let error = failed.error.as_ref().map_or("no error recorded".to_string(), |e| format!("{}: {}", e.code, e.message));
+    Some(format!("step '{}' failed: {error}", failed.step.as_deref().unwrap_or("?")))
+}
+
 /// One document a commit wrote (`None`: no document).
 ///
 /// A journal record holds the documents as JSON (`old`, `new`; absent: no document), not as

@@ -24,6 +24,8 @@ use rusqlite::hooks::Wal;
 use rusqlite::wal::CheckpointMode;
 use rusqlite::{Connection, ErrorCode};
 
+use crate::backend::DbError;
+
 /// WAL pages written between two of the thread's checkpoints (SQLite's own threshold).
 const CHECKPOINT_FRAMES: c_int = 1000;
 
@@ -43,7 +45,9 @@ impl Checkpointer {
     /// Starts a thread that checkpoints on `conn` whenever a commit on `writer` takes the WAL
     /// past [`CHECKPOINT_FRAMES`]; `db` names the database in what it logs. From then on
     /// `writer` no longer checkpoints by itself below [`WRITER_CHECKPOINT_FRAMES`].
-    pub(super) fn start(conn: Connection, writer: &mut Connection, db: String) -> rusqlite::Result<Checkpointer> {
+    pub(super) fn start(conn: Connection, writer: &mut Connection, db: String) -> Result<Checkpointer, DbError> {
+        let name = db.clone();
+        let failed = move |error: String| DbError { db: name.clone(), error };
         // One wake-up pending at most: commits during a checkpoint ask for one more, not many.
         let (wake, woken) = std::sync::mpsc::sync_channel(1);
         let hook_wake = wake.clone();
@@ -51,7 +55,7 @@ impl Checkpointer {
         // pages more were written, not at every commit past the threshold.
         let mut woken_at = 0;
         // Replaces SQLite's automatic checkpoints, which are this same hook.
-        writer.wal_hook(Some(move |wal: &mut Wal, frames: c_int| {
+        let hook = move |wal: &mut Wal, frames: c_int| {
             if frames < woken_at {
                 woken_at = 0; // The WAL started over.
             }
@@ -65,7 +69,8 @@ impl Checkpointer {
                 }
             }
             Ok(())
-        }))?;
+        };
+        writer.wal_hook(Some(hook)).map_err(|e| failed(e.to_string()))?;
         let (done, stop) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
         let (counter, stopped) = (done.clone(), stop.clone());
         let thread = std::thread::Builder::new()
@@ -75,7 +80,7 @@ impl Checkpointer {
                     checkpoint(&conn, &counter, &db);
                 }
             })
-            .map_err(|e| rusqlite::Error::ToSqlConversionFailure(e.into()))?;
+            .map_err(|e| failed(format!("cannot start the checkpointing thread: {e}")))?;
         Ok(Checkpointer { wake, stop, thread: Some(thread), done })
     }
 
