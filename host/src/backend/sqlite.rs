@@ -25,7 +25,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 use serde_json::Value;
@@ -316,7 +316,7 @@ impl SqliteBackend {
         if !create && !has_schema(&conn).map_err(fail)? {
             return Err(DbError { db: path.display().to_string(), error: "not a sagabox database".into() });
         }
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(fail)?;
+        enable_wal(&conn).map_err(|error| DbError { db: path.display().to_string(), error })?;
         let sync = match durability {
             Durability::Normal => "NORMAL",
             Durability::Full => "FULL",
@@ -540,10 +540,13 @@ impl SqliteBackend {
     }
 }
 
+/// How long a statement waits for another connection's lock before it fails.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// A connection to the database at `path`, set up for this backend's statements.
 fn connect(path: &Path, flags: OpenFlags) -> rusqlite::Result<Connection> {
     let conn = Connection::open_with_flags(path, flags)?;
-    conn.busy_timeout(Duration::from_secs(30))?;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
     // Room for every statement of the commit path and the registry (16 by default).
     conn.set_prepared_statement_cache_capacity(64);
     // Plan each statement once. SQLite marks a statement whose plan may depend on a
@@ -553,6 +556,37 @@ fn connect(path: &Path, flags: OpenFlags) -> rusqlite::Result<Connection> {
     // its time re-planning its claim). No plan here depends on a bound value.
     conn.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true)?;
     Ok(conn)
+}
+
+/// Puts the database in WAL mode (a no-op once it is), which the reader connection and the
+/// checkpoint thread rely on.
+///
+/// On a database not yet in WAL mode the switch reads the header and then writes it, and
+/// SQLite calls no busy handler when a reading transaction asks to write (waiting could
+/// deadlock): a process racing others to open a new database got "database is locked" at
+/// once. It waits and tries again here instead, for as long as the busy timeout.
+fn enable_wal(conn: &Connection) -> Result<(), String> {
+    let deadline = Instant::now() + BUSY_TIMEOUT;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        match conn.pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get::<_, String>(0)) {
+            Ok(mode) if mode.eq_ignore_ascii_case("wal") => return Ok(()),
+            Ok(mode) => {
+                return Err(format!(
+                    "cannot use WAL mode (SQLite kept journal mode `{mode}`; a WAL needs a local \
+                     file system with shared memory)"
+                ));
+            }
+            Err(e) if e.sqlite_error_code() == Some(rusqlite::ErrorCode::DatabaseBusy) => {
+                if Instant::now() >= deadline {
+                    return Err(format!("cannot switch to WAL mode: {e} (waited {BUSY_TIMEOUT:?})"));
+                }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
 }
 
 /// The process that holds `run_id`, if the run is registered. Read in a write transaction, it
@@ -1048,6 +1082,38 @@ mod tests {
             db.record(&[event(&format!("r{i}"), 0, EventKind::SagaStarted)]).unwrap();
         }
         assert_eq!(opened[0].events("r3").unwrap().len(), 1);
+    }
+
+    /// CI once saw "database is locked" from one of four openers of a new database: the
+    /// switch to WAL reads the header, then writes it, and SQLite does not wait for a lock
+    /// when a read transaction asks to write. Openers lined up on a barrier, many times over.
+    #[test]
+    fn openers_starting_at_the_same_instant_on_a_new_database_all_open_it_in_wal_mode() {
+        const OPENERS: usize = 6;
+        for round in 0..40 {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("db.sqlite");
+            let start = std::sync::Barrier::new(OPENERS);
+            let opened: Vec<Result<SqliteBackend, DbError>> = std::thread::scope(|scope| {
+                let openers: Vec<_> = (0..OPENERS)
+                    .map(|_| {
+                        scope.spawn(|| {
+                            start.wait();
+                            SqliteBackend::open(&path, Durability::Normal)
+                        })
+                    })
+                    .collect();
+                openers.into_iter().map(|o| o.join().unwrap()).collect()
+            });
+            for db in &opened {
+                if let Err(e) = db {
+                    panic!("round {round}: {e}");
+                }
+            }
+            let mode: String =
+                Connection::open(&path).unwrap().query_row("PRAGMA journal_mode", [], |r| r.get(0)).unwrap();
+            assert_eq!(mode, "wal", "round {round}");
+        }
     }
 
     /// How many virtual-machine steps SQLite takes to pick the run a claim of one takes
