@@ -942,6 +942,11 @@ impl SqliteBackend {
     pub fn checkpoints(&self) -> u64 {
         self.checkpointer.checkpoints()
     }
+
+    /// Pages this backend's commits appended to the WAL so far.
+    pub fn wal_pages_written(&self) -> u64 {
+        self.checkpointer.pages_appended()
+    }
 }
 
 #[cfg(test)]

@@ -39,6 +39,8 @@ pub(super) struct Checkpointer {
     thread: Option<JoinHandle<()>>,
     /// Checkpoints the thread made.
     done: Arc<AtomicU64>,
+    /// Pages the writer's commits appended to the WAL.
+    appended: Arc<AtomicU64>,
 }
 
 impl Checkpointer {
@@ -54,10 +56,20 @@ impl Checkpointer {
         // The WAL's length when the thread was last woken: it is woken again once as many
         // pages more were written, not at every commit past the threshold.
         let mut woken_at = 0;
+        // The WAL's length after the previous commit.
+        let mut length = 0;
+        let appended = Arc::new(AtomicU64::new(0));
+        let pages = appended.clone();
         // Replaces SQLite's automatic checkpoints, which are this same hook.
         let hook = move |wal: &mut Wal, frames: c_int| {
-            if frames < woken_at {
-                woken_at = 0; // The WAL started over.
+            // A commit that started the WAL over wrote all of it (one that found it shorter
+            // than the pages it appends is counted short: the WAL restarts only past a
+            // checkpoint of 1,000 pages, and a commit writes far fewer).
+            let started_over = frames < length;
+            pages.fetch_add((if started_over { frames } else { frames - length }) as u64, Ordering::Relaxed);
+            length = frames;
+            if started_over {
+                woken_at = 0;
             }
             if frames >= WRITER_CHECKPOINT_FRAMES {
                 // Busy (the thread is checkpointing): the next commit tries again.
@@ -81,12 +93,17 @@ impl Checkpointer {
                 }
             })
             .map_err(|e| failed(format!("cannot start the checkpointing thread: {e}")))?;
-        Ok(Checkpointer { wake, stop, thread: Some(thread), done })
+        Ok(Checkpointer { wake, stop, thread: Some(thread), done, appended })
     }
 
     /// Checkpoints the thread made so far.
     pub(super) fn checkpoints(&self) -> u64 {
         self.done.load(Ordering::Relaxed)
+    }
+
+    /// Pages the writer's commits appended to the WAL so far: what a commit costs in writes.
+    pub(super) fn pages_appended(&self) -> u64 {
+        self.appended.load(Ordering::Relaxed)
     }
 }
 
@@ -143,6 +160,11 @@ mod tests {
         let page = 4096 + 24;
         let most = (WRITER_CHECKPOINT_FRAMES + CHECKPOINT_FRAMES) as u64 * page;
         assert!(wal <= most, "the WAL grew to {wal} bytes ({} pages)", wal / page);
+        // Each commit writes its row's ten overflow pages, its leaf, and now and then more,
+        // however often the WAL started over.
+        let appended = checkpointer.pages_appended();
+        let expected = 11 * commits as u64..=14 * commits as u64;
+        assert!(expected.contains(&appended), "{appended} pages counted for {commits} commits");
         drop(checkpointer);
         let rows: i64 = writer.query_row("SELECT count(*) FROM t", [], |r| r.get(0)).unwrap();
         assert_eq!(rows, commits as i64);
