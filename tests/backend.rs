@@ -408,8 +408,11 @@ fn the_queue_hands_each_run_to_one_claimer_and_leases_renew(open: Open) {
     let queued = a.runs().unwrap().into_iter().find(|r| r.run_id == "q1").unwrap();
     assert_eq!((queued.status.as_str(), queued.owner.as_str(), queued.lease_until_ms), ("queued", "", None));
 
-    // Two claimers at once, two runs at a time, until nothing is left.
+    // Two claimers at once, two runs at a time, until nothing is left. They are one process
+    // here, and hold every run on purpose: a claim gives back none of this process's own.
     let lease = now + 30_000;
+    let every: Vec<String> = ["q1", "q2", "q3", "q4", "q5", "live", "dead", "done"].map(String::from).into();
+    let every = &every;
     let claimed: Vec<RunRecord> = std::thread::scope(|scope| {
         let claimers: Vec<_> = [&**a, &*b]
             .into_iter()
@@ -417,7 +420,7 @@ fn the_queue_hands_each_run_to_one_claimer_and_leases_renew(open: Open) {
                 scope.spawn(move || {
                     let mut mine = Vec::new();
                     loop {
-                        let got = handle.claim_runs(now, lease, 2).unwrap();
+                        let got = handle.claim_runs(now, lease, 2, every).unwrap();
                         if got.is_empty() {
                             return mine;
                         }
@@ -445,7 +448,8 @@ fn the_queue_hands_each_run_to_one_claimer_and_leases_renew(open: Open) {
     );
     // Once their leases run out, this process still does not take them back: it holds them
     // (its worker is running them; another process's run is taken below).
-    assert!(b.claim_runs(lease + 2, lease + 10_000, 100).unwrap().is_empty(), "a process took back its own runs");
+    let held: Vec<String> = claimed.iter().map(|r| r.run_id.clone()).collect();
+    assert!(b.claim_runs(lease + 2, lease + 10_000, 100, &held).unwrap().is_empty(), "a process took back its runs");
 }
 
 /// Claims take queued runs and runs whose holder's lease ran out in one order, oldest first,
@@ -466,12 +470,40 @@ fn claims_take_queued_and_expired_runs_oldest_first(open: Open) {
     let lease = now + 30_000;
     let mut taken = Vec::new();
     for limit in [1, 2, 1, 5] {
-        let got = backend.claim_runs(now, lease, limit).unwrap();
+        let got = backend.claim_runs(now, lease, limit, &taken).unwrap();
         assert!(got.len() <= limit, "{} runs for a claim of {limit}", got.len());
         taken.extend(got.into_iter().map(|r| r.run_id));
     }
     assert_eq!(taken, order, "claims out of order");
-    assert!(backend.claim_runs(now, lease, 5).unwrap().is_empty());
+    assert!(backend.claim_runs(now, lease, 5, &taken).unwrap().is_empty());
+}
+
+/// A claim whose answer was lost (the connection broke after the claim committed, or an
+/// adoption's did) leaves runs this process holds and nothing here runs. The next claim
+/// returns them again, under its new lease, oldest first with the queued ones; it never returns
+/// a run the caller says it holds on purpose (it is running it, or gave up on it).
+fn a_claim_returns_runs_this_process_holds_but_does_not_run(open: Open) {
+    let subject = open(&pools());
+    let backend = &subject.backend;
+    let now = now_ms();
+    for id in ["q1", "q2", "q3", "q4"] {
+        backend.register_run(&record(id).queued()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(3));
+    }
+    let lease = now + 30_000;
+    let ids = |runs: Vec<RunRecord>| runs.into_iter().map(|r| r.run_id).collect::<Vec<_>>();
+    // Its answer lost: the caller never learns that it took q1 and q2.
+    assert_eq!(ids(backend.claim_runs(now, lease, 2, &[]).unwrap()), ["q1", "q2"]);
+    // The caller runs nothing yet: the oldest run, q1, comes back.
+    assert_eq!(ids(backend.claim_runs(now, lease, 1, &[]).unwrap()), ["q1"], "a lost run not returned");
+    // Now it runs q1: q2 comes back, with the queued runs.
+    let held = ["q1".to_string()];
+    assert_eq!(ids(backend.claim_runs(now, lease + 1, 5, &held).unwrap()), ["q2", "q3", "q4"]);
+    let all = ["q1", "q2", "q3", "q4"].map(String::from);
+    assert!(backend.claim_runs(now, lease, 5, &all).unwrap().is_empty(), "a held run claimed again");
+    let runs = backend.runs().unwrap();
+    let q2 = runs.iter().find(|r| r.run_id == "q2").unwrap();
+    assert_eq!((q2.owner.as_str(), q2.lease_until_ms), (sagabox::backend::this_process(), Some(lease + 1)));
 }
 
 /// A fence: once another process holds a run (this one stalled past its lease, and the
@@ -526,7 +558,8 @@ fn a_run_another_process_took_over_gets_nothing_more_from_this_one(open: Open) {
     // while the refused commits' transactions roll back; a worker polls again, and so does this.
     let mut claimed: Vec<String> = Vec::new();
     for _ in 0..100 {
-        claimed = b.claim_runs(later, later + 60_000, 10).unwrap().into_iter().map(|r| r.run_id).collect();
+        let running = ["mine".to_string()];
+        claimed = b.claim_runs(later, later + 60_000, 10, &running).unwrap().into_iter().map(|r| r.run_id).collect();
         if !claimed.is_empty() {
             break;
         }
@@ -557,6 +590,7 @@ macro_rules! conformance {
                 of_two_handles_only_one_adopts_a_run_and_one_delivery_commits,
                 the_queue_hands_each_run_to_one_claimer_and_leases_renew,
                 claims_take_queued_and_expired_runs_oldest_first,
+                a_claim_returns_runs_this_process_holds_but_does_not_run,
                 a_run_another_process_took_over_gets_nothing_more_from_this_one,
             );
         }

@@ -831,8 +831,14 @@ impl Backend for Dying<'_> {
         self.inner.adopt_run(run_id, seen, lease_until_ms)
     }
 
-    fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError> {
-        self.inner.claim_runs(now_ms, lease_until_ms, limit)
+    fn claim_runs(
+        &self,
+        now_ms: u64,
+        lease_until_ms: u64,
+        limit: usize,
+        held: &[String],
+    ) -> Result<Vec<RunRecord>, DbError> {
+        self.inner.claim_runs(now_ms, lease_until_ms, limit, held)
     }
 
     fn renew_leases(&self, lease_until_ms: u64) -> Result<u64, DbError> {
@@ -984,4 +990,50 @@ fn a_durable_run_is_cut_at_the_saga_time_out_too() {
     assert_eq!(report["status"], "timed_out", "{}", report["error"]);
     let out = sagabox(&["state", "--db", db.to_str().unwrap(), "--digest"]);
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), pool_of(1_000_000).digest());
+}
+
+/// A claim whose answer was lost (its connection broke after it committed) leaves a run that
+/// this process holds and nothing here runs: `RunRecord::starting` is such a run (this
+/// process's, running, its lease live). The worker's heartbeat keeps renewing its lease, so
+/// no other worker takes it. The worker's next claim must take it back and finish it; a
+/// worker with `until_done` waited for it for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_worker_finishes_a_run_its_process_holds_without_running_it() {
+    use sagabox::durable::worker::{self, Finished, WorkerOptions};
+    let name = "ct1-payment-failure";
+    let case = case(name).await;
+    let path = sagas_dir().join(format!("{name}.json"));
+    let definition = std::fs::read_to_string(&path).unwrap();
+    let backend = Arc::new(MemoryBackend::new(case.state.clone()));
+    let lost = RunRecord::starting("lost-claim", name, &path.to_string_lossy(), definition.clone(), &case.input, 7);
+    backend.register_run(&lost).unwrap();
+    // And a queued run beside it, which a claim takes as usual.
+    let queued = RunRecord::starting("queued", name, &path.to_string_lossy(), definition, &case.input, 8).queued();
+    backend.register_run(&queued).unwrap();
+
+    let options = WorkerOptions { until_done: true, lease: std::time::Duration::from_secs(2), ..Default::default() };
+    let mut finished = Vec::new();
+    let work = worker::work(
+        Arc::new(runtime().await),
+        Arc::clone(&backend) as Arc<dyn Backend>,
+        &options,
+        tokio_util::sync::CancellationToken::new(),
+        |run, outcome| {
+            let status = match outcome {
+                Finished::Ran { report, .. } => report.status.as_str().to_string(),
+                Finished::Failed(e) => format!("not finished: {e}"),
+            };
+            finished.push((run.run_id.clone(), status));
+        },
+    );
+    let tally = tokio::time::timeout(std::time::Duration::from_secs(120), work)
+        .await
+        .expect("the worker never finished the run its process held without running it")
+        .unwrap();
+    finished.sort();
+    // CT1's payment is declined: both runs roll back, the store as it was.
+    let rolled_back = |id: &str| (id.to_string(), "failed".to_string());
+    assert_eq!(finished, [rolled_back("lost-claim"), rolled_back("queued")], "{tally:?}");
+    assert!(backend.unfinished_runs().unwrap().is_empty());
+    assert!(case.restored(&backend.store.snapshot()));
 }

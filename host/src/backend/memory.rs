@@ -78,10 +78,13 @@ fn take(run: &mut RunRecord, lease_until_ms: u64) {
     run.lease_until_ms = Some(lease_until_ms);
 }
 
-/// Whether a worker may take `run` at `now_ms`: queued, or another process's and unfinished
-/// with its lease run out.
-fn claimable(run: &RunRecord, now_ms: u64) -> bool {
-    let abandoned = run.lease_until_ms.is_some_and(|t| t < now_ms) && run.owner != this_process();
+/// Whether a worker may take `run` at `now_ms`: queued, another process's and unfinished
+/// with its lease run out, or this process's and not `held` ([`Backend::claim_runs`]).
+fn claimable(run: &RunRecord, now_ms: u64, held: &[String]) -> bool {
+    let abandoned = match run.owner == this_process() {
+        true => !held.contains(&run.run_id),
+        false => run.lease_until_ms.is_some_and(|t| t < now_ms),
+    };
     run.status == "queued" || (run.status == "running" && abandoned)
 }
 
@@ -165,9 +168,16 @@ impl Backend for MemoryBackend {
         Ok(run.map(|r| take(r, lease_until_ms)).is_some())
     }
 
-    fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError> {
+    fn claim_runs(
+        &self,
+        now_ms: u64,
+        lease_until_ms: u64,
+        limit: usize,
+        held: &[String],
+    ) -> Result<Vec<RunRecord>, DbError> {
         let mut registry = lock(&self.registry);
-        let mut claimable: Vec<&mut RunRecord> = registry.runs.iter_mut().filter(|r| claimable(r, now_ms)).collect();
+        let mut claimable: Vec<&mut RunRecord> =
+            registry.runs.iter_mut().filter(|r| claimable(r, now_ms, held)).collect();
         claimable.sort_by(|a, b| (a.started_ms, &a.run_id).cmp(&(b.started_ms, &b.run_id)));
         Ok(claimable
             .into_iter()

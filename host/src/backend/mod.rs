@@ -211,11 +211,19 @@ pub trait Backend: Send + Sync {
     fn adopt_run(&self, run_id: &str, seen: &RunRecord, lease_until_ms: u64) -> Result<bool, DbError>;
 
     /// Takes up to `limit` runs for this process, under a lease until `lease_until_ms`:
-    /// queued runs, and unfinished runs of other processes whose lease ran out before
-    /// `now_ms` (their owner died, or stalled: its later commits are then refused with
-    /// [`CommitError::TakenOver`]), oldest first. Two processes never take the same run, and
-    /// a process never takes back a run it holds (it is still running it).
-    fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError>;
+    /// queued runs; unfinished runs of other processes whose lease ran out before `now_ms`
+    /// (their owner died, or stalled: its later commits are then refused with
+    /// [`CommitError::TakenOver`]); and this process's own unfinished runs that are not in
+    /// `held`, the runs its caller holds on purpose (it runs them, or gave up on them): an
+    /// earlier claim or adoption whose answer was lost took those, and nothing runs them.
+    /// Oldest first. Two processes never take the same run.
+    fn claim_runs(
+        &self,
+        now_ms: u64,
+        lease_until_ms: u64,
+        limit: usize,
+        held: &[String],
+    ) -> Result<Vec<RunRecord>, DbError>;
 
     /// Extends to `lease_until_ms` the lease of every unfinished run this process holds;
     /// returns how many it holds.

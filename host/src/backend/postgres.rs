@@ -71,11 +71,12 @@ CREATE INDEX runs_queue ON runs (status, started_ms, run_id);
 ];
 
 /// Claims up to $5 runs for this process ($1 its pid, $2 its name) until $3, oldest first:
-/// queued runs, and running ones another process holds whose lease ran out before $4 (now).
+/// queued runs, running ones another process holds whose lease ran out before $4 (now), and
+/// running ones this process holds that are not in $6 (`lost`: see [`Backend::claim_runs`]).
 /// Each kind is read off `runs_queue` in order and stops at the limit, so a claim's cost does
 /// not grow with the queue (one `WHERE queued OR expired` sorted every queued run, on every
 /// claim: 48 ms at 40,000; the expired half still reads every running run). SKIP LOCKED:
-/// workers claiming at once take different runs. When both kinds are there, the statement
+/// workers claiming at once take different runs. When several kinds are there, the statement
 /// locks up to $5 of each and takes the oldest $5: until it ends, another claimer skips the
 /// rest (they stay claimable). Built once, and prepared once per connection.
 static CLAIM: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
@@ -86,8 +87,12 @@ static CLAIM: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
          expired AS (
              SELECT run_id, started_ms FROM runs WHERE status = 'running' AND lease_until_ms < $4 AND owner <> $2
              ORDER BY started_ms, run_id LIMIT $5 FOR UPDATE SKIP LOCKED),
+         lost AS (
+             SELECT run_id, started_ms FROM runs WHERE status = 'running' AND owner = $2 AND run_id <> ALL($6)
+             ORDER BY started_ms, run_id LIMIT $5 FOR UPDATE SKIP LOCKED),
          chosen AS (
-             SELECT run_id FROM (SELECT * FROM queued UNION ALL SELECT * FROM expired) AS claimable
+             SELECT run_id FROM (SELECT * FROM queued UNION ALL SELECT * FROM expired UNION ALL SELECT * FROM lost)
+                 AS claimable
              ORDER BY started_ms, run_id LIMIT $5)
          UPDATE runs SET status = 'running', pid = $1, owner = $2, lease_until_ms = $3
          WHERE run_id IN (SELECT run_id FROM chosen)
@@ -879,14 +884,22 @@ impl Backend for PostgresBackend {
         Ok(changed == 1)
     }
 
-    fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError> {
+    fn claim_runs(
+        &self,
+        now_ms: u64,
+        lease_until_ms: u64,
+        limit: usize,
+        held: &[String],
+    ) -> Result<Vec<RunRecord>, DbError> {
+        // A retry after a lost answer takes back what the lost try took ("lost" in the claim).
         self.read(async |client, _| {
-            let params: [&(dyn ToSql + Sync); 5] = [
+            let params: [&(dyn ToSql + Sync); 6] = [
                 &(std::process::id() as i64),
                 &this_process(),
                 &(lease_until_ms as i64),
                 &(now_ms as i64),
                 &(limit as i64),
+                &held,
             ];
             let claim = client.prepare_cached(&CLAIM).await?;
             let mut runs: Vec<RunRecord> = client.query(&claim, &params).await?.iter().map(run_from_row).collect();
@@ -953,7 +966,8 @@ mod tests {
         let (plan, claimed) = backend
             .read(async |client, _| {
                 let now = now_ms() as i64;
-                let params: [&(dyn ToSql + Sync); 5] = [&1i64, &this_process(), &(now + 1000), &now, &1i64];
+                let held: &[String] = &[];
+                let params: [&(dyn ToSql + Sync); 6] = [&1i64, &this_process(), &(now + 1000), &now, &1i64, &held];
                 let plan: Vec<String> = client.query(&explain, &params).await?.iter().map(|r| r.get(0)).collect();
                 let claimed: String =
                     client.query_one("SELECT run_id FROM runs WHERE status = 'running'", &[]).await?.get(0);

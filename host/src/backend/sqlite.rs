@@ -88,8 +88,9 @@ const MIGRATIONS: &[&str] = &[
      CREATE INDEX runs_queue ON runs (status, started_ms, run_id);",
 ];
 
-/// The ids of up to ?2 runs a claim takes, oldest first: queued runs, and running ones
-/// another process (not ?3) holds whose lease ran out before ?1 (now). Each kind is read off
+/// The ids of up to ?2 runs a claim takes, oldest first: queued runs, running ones another
+/// process (not ?3) holds whose lease ran out before ?1 (now), and running ones this process
+/// holds that are not in ?4 (a JSON array: see [`Backend::claim_runs`]). Each kind is read off
 /// `runs_queue` in order and stops at the limit, so a claim costs the same however long the
 /// queue is (one `WHERE queued OR expired` scanned and sorted the whole table: 39 ms at
 /// 40,000 queued runs).
@@ -100,6 +101,10 @@ SELECT run_id FROM (
     UNION ALL
     SELECT * FROM (SELECT run_id, started_ms FROM runs
                    WHERE status = 'running' AND lease_until_ms < ?1 AND owner <> ?3
+                   ORDER BY started_ms, run_id LIMIT ?2)
+    UNION ALL
+    SELECT * FROM (SELECT run_id, started_ms FROM runs
+                   WHERE status = 'running' AND owner = ?3 AND run_id NOT IN (SELECT value FROM json_each(?4))
                    ORDER BY started_ms, run_id LIMIT ?2))
 ORDER BY started_ms, run_id LIMIT ?2";
 
@@ -107,11 +112,11 @@ ORDER BY started_ms, run_id LIMIT ?2";
 const RUN_COLUMNS: &str =
     "run_id, saga, saga_path, definition, input, seed, status, pid, owner, lease_until_ms, started_ms, finished_ms";
 
-/// A claim: takes the runs [`CLAIMABLE`] picks for this process (?3, pid ?4) until ?5, and
+/// A claim: takes the runs [`CLAIMABLE`] picks for this process (?3, pid ?5) until ?6, and
 /// returns them. One statement, prepared once per connection.
 static CLAIM: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     format!(
-        "UPDATE runs SET status = 'running', pid = ?4, owner = ?3, lease_until_ms = ?5
+        "UPDATE runs SET status = 'running', pid = ?5, owner = ?3, lease_until_ms = ?6
          WHERE run_id IN ({CLAIMABLE}) RETURNING {RUN_COLUMNS}"
     )
 });
@@ -699,7 +704,14 @@ impl Backend for SqliteBackend {
         Ok(changed == 1)
     }
 
-    fn claim_runs(&self, now_ms: u64, lease_until_ms: u64, limit: usize) -> Result<Vec<RunRecord>, DbError> {
+    fn claim_runs(
+        &self,
+        now_ms: u64,
+        lease_until_ms: u64,
+        limit: usize,
+        held: &[String],
+    ) -> Result<Vec<RunRecord>, DbError> {
+        let held = serde_json::to_string(held).map_err(|e| self.error(e))?;
         let mut conn = lock(&self.conn);
         let mut claim = || -> rusqlite::Result<Vec<RunRecord>> {
             // Under the write lock: no other process takes the same runs.
@@ -707,7 +719,14 @@ impl Backend for SqliteBackend {
             let mut runs: Vec<RunRecord> = tx
                 .prepare_cached(&CLAIM)?
                 .query_map(
-                    params![now_ms as i64, limit as i64, this_process(), std::process::id(), lease_until_ms as i64],
+                    params![
+                        now_ms as i64,
+                        limit as i64,
+                        this_process(),
+                        held,
+                        std::process::id(),
+                        lease_until_ms as i64
+                    ],
                     run_from_row,
                 )?
                 .collect::<Result<_, _>>()?;
@@ -1125,7 +1144,7 @@ mod tests {
         tx.commit().unwrap();
         let mut claim = conn.prepare(CLAIMABLE).unwrap();
         let ids: Vec<String> = claim
-            .query_map(params![now_ms() as i64, 1, this_process()], |r| r.get(0))
+            .query_map(params![now_ms() as i64, 1, this_process(), "[]"], |r| r.get(0))
             .unwrap()
             .map(Result::unwrap)
             .collect();
@@ -1153,10 +1172,12 @@ mod tests {
         for n in 0..20 {
             db.register_run(&run_record(&format!("q{n:02}"), 0).queued()).unwrap();
         }
+        let mut held = Vec::new();
         for n in 0..20 {
             let now = now_ms() + n;
-            let claimed = db.claim_runs(now, now + 60_000, 1).unwrap();
+            let claimed = db.claim_runs(now, now + 60_000, 1, &held).unwrap();
             assert_eq!(claimed.iter().map(|r| r.run_id.as_str()).collect::<Vec<_>>(), [format!("q{n:02}")]);
+            held.extend(claimed.into_iter().map(|r| r.run_id));
         }
         let conn = lock(&db.conn);
         let claim = conn.prepare_cached(&CLAIM).unwrap();

@@ -95,7 +95,10 @@ pub async fn work(
         let due = poll_due || in_flight.is_empty() || (free >= batch && !queue_short);
         if free > 0 && due && !stop.is_cancelled() {
             let (claimer, lease) = (Arc::clone(&backend), options.lease.as_millis() as u64);
-            claimed = blocking(move || claimer.claim_runs(now_ms(), now_ms() + lease, free)).await?;
+            // What it runs and what it gave up on: any other run of this process's is one an
+            // earlier claim took whose answer was lost (a broken connection), and is taken back.
+            let held: Vec<String> = tasks.values().chain(&given_up).cloned().collect();
+            claimed = blocking(move || claimer.claim_runs(now_ms(), now_ms() + lease, free, &held)).await?;
             tally.claims += 1;
             queue_short = claimed.len() < free;
             if poll_due {
