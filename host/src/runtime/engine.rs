@@ -8,7 +8,8 @@
 use std::collections::HashMap;
 use std::hash::Hasher;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -46,15 +47,62 @@ pub(crate) struct Engines {
     options: EngineOptions,
     by_stack: Mutex<HashMap<u64, Engine>>,
     ticking: Arc<Mutex<Vec<Engine>>>,
+    calls: Arc<CallsInFlight>,
+}
+
+/// The stores alive now, each a call in flight: the ticker advances the epochs only while
+/// there are some, and sleeps otherwise (an idle server woke 1,000 times a second).
+#[derive(Default)]
+struct CallsInFlight {
+    count: AtomicUsize,
+    /// Whether the ticker waits (or is about to) for a call: only then does a call wake it,
+    /// so that a call pays no system call while the ticker runs.
+    waiting: AtomicBool,
+    /// Held while the ticker decides to wait and while a call wakes it, so that the
+    /// wake-up cannot fall between the two.
+    idle: Mutex<()>,
+    wake: Condvar,
+    /// Ticks so far (for tests).
+    ticks: AtomicU64,
+}
+
+/// Counts a call in flight for as long as it lives: whatever holds a store of an engine
+/// with epoch interruption must hold one, or the guest gets no deadline while nothing else
+/// runs.
+pub(crate) struct CallTicking(Arc<CallsInFlight>);
+
+impl Drop for CallTicking {
+    fn drop(&mut self) {
+        self.0.count.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Engines {
     pub fn new(options: EngineOptions) -> Engines {
         let ticking = Arc::new(Mutex::new(Vec::new()));
+        let calls = Arc::new(CallsInFlight::default());
         if options.epochs {
-            spawn_ticker(Arc::downgrade(&ticking));
+            spawn_ticker(Arc::downgrade(&ticking), calls.clone());
         }
-        Engines { options, by_stack: Mutex::new(HashMap::new()), ticking }
+        Engines { options, by_stack: Mutex::new(HashMap::new()), ticking, calls }
+    }
+
+    /// Keeps the epochs advancing while the returned guard lives (see [`CallTicking`]).
+    pub fn call_started(&self) -> CallTicking {
+        // SeqCst here and in `wait_for_one`: either the ticker sees this count, or this
+        // call sees it waiting (and wakes it).
+        self.calls.count.fetch_add(1, Ordering::SeqCst);
+        if self.calls.waiting.load(Ordering::SeqCst) {
+            let _idle = lock(&self.calls.idle);
+            self.calls.wake.notify_one();
+        }
+        CallTicking(self.calls.clone())
+    }
+
+    /// Epoch ticks so far.
+    #[cfg(test)]
+    fn ticks(&self) -> u64 {
+        self.calls.ticks.load(Ordering::Relaxed)
     }
 
     pub fn options(&self) -> EngineOptions {
@@ -120,19 +168,42 @@ impl Engines {
     }
 }
 
-/// Advances every live engine's epoch each tick, until the engines are dropped.
-fn spawn_ticker(engines: Weak<Mutex<Vec<Engine>>>) {
+/// Advances every live engine's epoch each tick while calls are in flight, until the
+/// engines are dropped.
+fn spawn_ticker(engines: Weak<Mutex<Vec<Engine>>>, calls: Arc<CallsInFlight>) {
     let spawned = std::thread::Builder::new().name("sagabox-epoch".into()).spawn(move || {
-        while let Some(engines) = engines.upgrade() {
+        while engines.strong_count() > 0 {
+            if !calls.wait_for_one() {
+                continue;
+            }
+            let Some(engines) = engines.upgrade() else { break };
             for engine in lock(&engines).iter() {
                 engine.increment_epoch();
             }
             drop(engines);
+            calls.ticks.fetch_add(1, Ordering::Relaxed);
             std::thread::sleep(EPOCH_TICK);
         }
     });
     if let Err(e) = spawned {
         tracing::error!("cannot start the epoch ticker, deadlines will not interrupt guests: {e}");
+    }
+}
+
+impl CallsInFlight {
+    /// Whether a call is in flight, waiting for one up to a second (then the ticker checks
+    /// whether its engines are still there).
+    fn wait_for_one(&self) -> bool {
+        if self.count.load(Ordering::SeqCst) > 0 {
+            return true;
+        }
+        let idle = lock(&self.idle);
+        self.waiting.store(true, Ordering::SeqCst);
+        if self.count.load(Ordering::SeqCst) == 0 {
+            drop(self.wake.wait_timeout(idle, Duration::from_secs(1)));
+        }
+        self.waiting.store(false, Ordering::SeqCst);
+        self.count.load(Ordering::SeqCst) > 0
     }
 }
 
@@ -441,4 +512,58 @@ fn store_entry(path: &Path, serialized: &[u8]) -> std::io::Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     written
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    /// Whether the ticker stops ticking within a few seconds: a window of 100 ms without a
+    /// tick (a tick under way when the last call ended may still land).
+    fn goes_quiet(engines: &Engines) -> bool {
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            let before = engines.ticks();
+            std::thread::sleep(Duration::from_millis(100));
+            if engines.ticks() == before {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Whether the ticker ticks within a few seconds.
+    fn ticks(engines: &Engines) -> bool {
+        let (before, until) = (engines.ticks(), Instant::now() + Duration::from_secs(5));
+        while Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+            if engines.ticks() > before + 1 {
+                return true;
+            }
+        }
+        false
+    }
+
+    #[test]
+    fn the_epochs_advance_only_while_a_call_is_in_flight() {
+        let engines = Engines::new(EngineOptions { pooling: false, ..EngineOptions::default() });
+        engines.get(1024).unwrap();
+        let before = engines.ticks();
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(engines.ticks(), before, "the ticker ticked before any call");
+        let call = engines.call_started();
+        assert!(ticks(&engines), "no tick while a call was in flight");
+        drop(call);
+        assert!(goes_quiet(&engines), "the ticker went on after the last call ended");
+        // Two calls at once: ticking goes on until both have ended.
+        let (first, second) = (engines.call_started(), engines.call_started());
+        drop(first);
+        assert!(ticks(&engines), "no tick while the second call was in flight");
+        drop(second);
+        assert!(goes_quiet(&engines), "the ticker went on after both calls ended");
+        // The ticker wakes again for the next call.
+        let _call = engines.call_started();
+        assert!(ticks(&engines), "the ticker did not wake for a call after a quiet spell");
+    }
 }

@@ -371,10 +371,13 @@ impl Runtime {
         }
     }
 
-    fn new_store(&self, engine: &wasmtime::Engine, state: CallState, limits: &Limits) -> Store<CallState> {
+    fn new_store(&self, engine: &wasmtime::Engine, mut state: CallState, limits: &Limits) -> Store<CallState> {
+        let options = self.engines.options();
+        if options.epochs {
+            state.ticking = Some(self.engines.call_started());
+        }
         let mut store = Store::new(engine, state);
         store.limiter(|s| &mut s.limiter);
-        let options = self.engines.options();
         if options.fuel {
             // Cannot fail: fuel is enabled on every engine when `options.fuel` is set.
             let _ = store.set_fuel(limits.fuel);

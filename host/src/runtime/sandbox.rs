@@ -16,6 +16,7 @@ use sagabox_toolkit::StoreErrorKind;
 use super::access::{Granted, Refusal};
 use super::bindings::sagabox::plugin::log::Level;
 use super::bindings::sagabox::plugin::store::StoreError;
+use super::engine::CallTicking;
 use super::policy::{Limits, Policy, StoreGrants};
 use crate::store::{FieldIs, Txn};
 use crate::sync::lock;
@@ -227,6 +228,8 @@ pub(crate) struct CallState {
     log_budget: usize,
     /// Where the plugin's log messages also go (an MCP client's logging notifications).
     pub log_sink: Option<Arc<dyn LogSink>>,
+    /// Keeps the epoch ticker going while the store lives (set by the runtime with its store).
+    pub ticking: Option<CallTicking>,
 }
 
 /// How much a plugin's log message matters.
@@ -352,6 +355,7 @@ impl CallState {
             stderr,
             log_budget: LOG_BUDGET,
             log_sink: None,
+            ticking: None,
         })
     }
 
