@@ -22,6 +22,10 @@ use crate::sync::lock;
 /// How often the epoch advances: the resolution of call deadlines.
 pub const EPOCH_TICK: Duration = Duration::from_millis(1);
 
+/// Longest an idle ticker waits before it looks again: a call or the engines' end wakes it
+/// at once, so this only bounds what a missed wake-up could cost.
+const IDLE_RECHECK: Duration = Duration::from_secs(10);
+
 /// Engine-wide switches. Production runs use the defaults; the benchmarks flip them to
 /// measure what each costs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -58,8 +62,10 @@ struct CallsInFlight {
     /// Whether the ticker waits (or is about to) for a call: only then does a call wake it,
     /// so that a call pays no system call while the ticker runs.
     waiting: AtomicBool,
-    /// Held while the ticker decides to wait and while a call wakes it, so that the
-    /// wake-up cannot fall between the two.
+    /// The engines were dropped: the ticker ends.
+    closed: AtomicBool,
+    /// Held while the ticker decides to wait and while a call or the engines' end wakes it,
+    /// so that the wake-up cannot fall between the two.
     idle: Mutex<()>,
     wake: Condvar,
     /// Ticks so far (for tests).
@@ -74,6 +80,16 @@ pub(crate) struct CallTicking(Arc<CallsInFlight>);
 impl Drop for CallTicking {
     fn drop(&mut self) {
         self.0.count.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Engines {
+    fn drop(&mut self) {
+        // An idle ticker would otherwise sleep on for up to `IDLE_RECHECK` (a fuzz target
+        // makes a runtime per input).
+        self.calls.closed.store(true, Ordering::SeqCst);
+        let _idle = lock(&self.calls.idle);
+        self.calls.wake.notify_one();
     }
 }
 
@@ -172,7 +188,7 @@ impl Engines {
 /// engines are dropped.
 fn spawn_ticker(engines: Weak<Mutex<Vec<Engine>>>, calls: Arc<CallsInFlight>) {
     let spawned = std::thread::Builder::new().name("sagabox-epoch".into()).spawn(move || {
-        while engines.strong_count() > 0 {
+        while !calls.closed.load(Ordering::SeqCst) {
             if !calls.wait_for_one() {
                 continue;
             }
@@ -191,16 +207,15 @@ fn spawn_ticker(engines: Weak<Mutex<Vec<Engine>>>, calls: Arc<CallsInFlight>) {
 }
 
 impl CallsInFlight {
-    /// Whether a call is in flight, waiting for one up to a second (then the ticker checks
-    /// whether its engines are still there).
+    /// Whether a call is in flight, waiting for one up to [`IDLE_RECHECK`].
     fn wait_for_one(&self) -> bool {
         if self.count.load(Ordering::SeqCst) > 0 {
             return true;
         }
         let idle = lock(&self.idle);
         self.waiting.store(true, Ordering::SeqCst);
-        if self.count.load(Ordering::SeqCst) == 0 {
-            drop(self.wake.wait_timeout(idle, Duration::from_secs(1)));
+        if self.count.load(Ordering::SeqCst) == 0 && !self.closed.load(Ordering::SeqCst) {
+            drop(self.wake.wait_timeout(idle, IDLE_RECHECK));
         }
         self.waiting.store(false, Ordering::SeqCst);
         self.count.load(Ordering::SeqCst) > 0
@@ -563,7 +578,23 @@ mod tests {
         drop(second);
         assert!(goes_quiet(&engines), "the ticker went on after both calls ended");
         // The ticker wakes again for the next call.
-        let _call = engines.call_started();
+        let call = engines.call_started();
         assert!(ticks(&engines), "the ticker did not wake for a call after a quiet spell");
+        drop(call);
+    }
+
+    #[test]
+    fn an_idle_ticker_ends_soon_after_its_engines_are_dropped() {
+        let engines = Engines::new(EngineOptions { pooling: false, ..EngineOptions::default() });
+        engines.get(1024).unwrap();
+        assert!(goes_quiet(&engines));
+        // The ticker holds the call counter until it ends.
+        let counter = Arc::downgrade(&engines.calls);
+        drop(engines);
+        let until = Instant::now() + IDLE_RECHECK / 2;
+        while counter.strong_count() > 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(counter.strong_count(), 0, "the idle ticker outlived its engines");
     }
 }
