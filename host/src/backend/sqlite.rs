@@ -41,6 +41,7 @@ use crate::sync::{read, try_lock, write};
 use checkpoint::Checkpointer;
 
 mod checkpoint;
+mod wal_writes;
 
 /// How hard commits push to disk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -550,7 +551,13 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A connection to the database at `path`, set up for this backend's statements.
 fn connect(path: &Path, flags: OpenFlags) -> rusqlite::Result<Connection> {
-    let conn = Connection::open_with_flags(path, flags)?;
+    let conn = match wal_writes::register() {
+        Ok(vfs) => Connection::open_with_flags_and_vfs(path, flags, vfs)?,
+        Err(e) => {
+            tracing::warn!("WAL writes are not gathered: {e}");
+            Connection::open_with_flags(path, flags)?
+        }
+    };
     conn.busy_timeout(BUSY_TIMEOUT)?;
     // Room for every statement of the commit path and the registry (16 by default).
     conn.set_prepared_statement_cache_capacity(64);
