@@ -12,17 +12,26 @@
 //!   commit frame (the only kind whose header carries the database's size). The gathered
 //!   frames are written as soon as the commit frame's page is, so nothing is held when the
 //!   header is published, and a failed write fails the commit.
-//! - **Order.** Anything else done with the file (a read, a write elsewhere, a sync, its
-//!   size, a truncation, a file control, closing it) first writes what is gathered.
+//! - **Nothing outlives the write lock.** A transaction that rolls back leaves the frames it
+//!   wrote early (a spilled cache) past the WAL's end, where the next writer, maybe another
+//!   process, appends its own. So what is gathered is written before the connection lets go
+//!   of the WAL's write lock (its database file's shared-memory lock 0), as SQLite would have
+//!   written it, and never after.
+//! - **Order.** Anything else done with the WAL (a read, a write elsewhere, a sync, its size,
+//!   a truncation, a file control, closing it) first writes what is gathered; a failure there
+//!   is an I/O error, which rolls the transaction back.
 //! - **Crashes.** Frames still gathered belong to a transaction that has not committed; a
 //!   crash loses them as it would lose frames SQLite had not yet written.
+//! - **Padding.** On a device without power-safe overwrite SQLite pads a commit to a sector
+//!   and splits frames around a sync; there a WAL file gathers nothing.
 //!
-//! Other files (the database, its shared memory) are the default VFS's own.
+//! Every other file is the default VFS's own; a database file only tells its WAL when the
+//! write lock is released.
 
 use std::ffi::{CStr, c_int, c_void};
 use std::mem::size_of;
 use std::ptr;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use rusqlite::ffi;
 
@@ -39,6 +48,9 @@ const MAX_GATHERED: usize = 4 << 20;
 /// and reports the rest as a full disk.
 const MAX_WRITE: usize = 0x1_f000;
 
+/// The WAL's write lock among a database file's shared-memory locks.
+const WAL_WRITE_LOCK: c_int = 0;
+
 /// Registers the VFS once per process; later calls return the first outcome.
 pub(super) fn register() -> Result<&'static CStr, String> {
     static REGISTERED: OnceLock<Result<(), String>> = OnceLock::new();
@@ -46,13 +58,12 @@ pub(super) fn register() -> Result<&'static CStr, String> {
     REGISTERED.get_or_init(|| unsafe { register_once() }).clone().map(|()| NAME)
 }
 
-/// The default VFS, which every call is passed on to.
+/// The default VFS, which every call is passed on to, and our WAL files' methods.
 static BASE: OnceLock<Base> = OnceLock::new();
 
-/// The default VFS and its WAL files' methods, with ours beside them.
 struct Base {
     vfs: *mut ffi::sqlite3_vfs,
-    file_methods: ffi::sqlite3_io_methods,
+    wal_methods: ffi::sqlite3_io_methods,
 }
 
 // SAFETY: SQLite's VFS objects are meant to be shared by every thread: the default VFS lives
@@ -60,12 +71,23 @@ struct Base {
 unsafe impl Send for Base {}
 unsafe impl Sync for Base {}
 
-/// A WAL file: SQLite's handle first (its methods are ours), then the default VFS's handle.
+/// What our files start with: SQLite's handle (its methods are ours), then the default
+/// VFS's handle, which lives in the bytes that follow the whole struct.
+#[repr(C)]
+struct Wrapped {
+    handle: ffi::sqlite3_file,
+    inner: *mut ffi::sqlite3_file,
+}
+
+/// A WAL file.
 #[repr(C)]
 struct WalFile {
-    handle: ffi::sqlite3_file,
-    /// The default VFS's file, in the bytes that follow this struct.
-    inner: *mut ffi::sqlite3_file,
+    wrapped: Wrapped,
+    /// Its database's file, which tells it when the write lock is released (null once the
+    /// database file closed).
+    db: *mut DbFile,
+    /// Whether it gathers at all (not on a device where SQLite pads commits).
+    gathers: bool,
     /// Bytes appended but not yet written, and where they start in the file.
     gathered: Vec<u8>,
     start: i64,
@@ -73,6 +95,14 @@ struct WalFile {
     last_end: i64,
     /// Whether the last frame header written marks a commit: its page ends a transaction.
     in_commit_frame: bool,
+}
+
+/// A main database file.
+#[repr(C)]
+struct DbFile {
+    wrapped: Wrapped,
+    /// Its open WAL file, if any.
+    wal: *mut WalFile,
 }
 
 /// # Safety
@@ -86,29 +116,30 @@ unsafe fn register_once() -> Result<(), String> {
     }
     // SAFETY: `base` is a live, registered VFS.
     let mut vfs = unsafe { *base };
-    let Ok(size) = c_int::try_from(size_of::<WalFile>() + vfs.szOsFile as usize) else {
+    let wrapper = size_of::<WalFile>().max(size_of::<DbFile>());
+    let Ok(size) = c_int::try_from(wrapper + vfs.szOsFile as usize) else {
         return Err("the default VFS's file handle is too large".into());
     };
     // Everything but opening is the default VFS's own (its `pAppData` included, which its
-    // methods read); only WAL files get other methods.
+    // methods read).
     vfs.szOsFile = size;
     vfs.zName = NAME.as_ptr();
     vfs.pNext = ptr::null_mut();
     vfs.xOpen = Some(open);
     // Version 1: SQLite asks a WAL file for nothing of versions 2 and 3 (shared memory is
     // its database file's, and it never maps a WAL into memory).
-    let methods = ffi::sqlite3_io_methods {
+    let wal_methods = ffi::sqlite3_io_methods {
         iVersion: 1,
-        xClose: Some(close),
-        xRead: Some(read),
-        xWrite: Some(write),
-        xTruncate: Some(truncate),
-        xSync: Some(sync),
-        xFileSize: Some(file_size),
+        xClose: Some(wal_close),
+        xRead: Some(wal_read),
+        xWrite: Some(wal_write),
+        xTruncate: Some(wal_truncate),
+        xSync: Some(wal_sync),
+        xFileSize: Some(wal_file_size),
         xLock: Some(lock),
         xUnlock: Some(unlock),
         xCheckReservedLock: Some(check_reserved_lock),
-        xFileControl: Some(file_control),
+        xFileControl: Some(wal_file_control),
         xSectorSize: Some(sector_size),
         xDeviceCharacteristics: Some(device_characteristics),
         xShmMap: None,
@@ -118,7 +149,7 @@ unsafe fn register_once() -> Result<(), String> {
         xFetch: None,
         xUnfetch: None,
     };
-    if BASE.set(Base { vfs: base, file_methods: methods }).is_err() {
+    if BASE.set(Base { vfs: base, wal_methods }).is_err() {
         return Err("the WAL-gathering VFS was set up twice".into());
     }
     // SQLite keeps the pointer for the rest of the process (its registry links through it).
@@ -130,6 +161,47 @@ unsafe fn register_once() -> Result<(), String> {
     }
 }
 
+/// Our methods for a database file whose default-VFS methods are `inner`: the same set
+/// (same version, same methods present), each passed on, the write lock's release noticed.
+fn db_methods(inner: &'static ffi::sqlite3_io_methods) -> &'static ffi::sqlite3_io_methods {
+    let key = ptr::from_ref(inner) as usize;
+    let mut tables = lock_tables();
+    if let Some((_, ours)) = tables.iter().find(|(k, _)| *k == key) {
+        return ours;
+    }
+    let ours: &'static ffi::sqlite3_io_methods = Box::leak(Box::new(ffi::sqlite3_io_methods {
+        iVersion: inner.iVersion,
+        xClose: inner.xClose.and(Some(db_close)),
+        xRead: inner.xRead.and(Some(read)),
+        xWrite: inner.xWrite.and(Some(write)),
+        xTruncate: inner.xTruncate.and(Some(truncate)),
+        xSync: inner.xSync.and(Some(sync)),
+        xFileSize: inner.xFileSize.and(Some(file_size)),
+        xLock: inner.xLock.and(Some(lock)),
+        xUnlock: inner.xUnlock.and(Some(unlock)),
+        xCheckReservedLock: inner.xCheckReservedLock.and(Some(check_reserved_lock)),
+        xFileControl: inner.xFileControl.and(Some(file_control)),
+        xSectorSize: inner.xSectorSize.and(Some(sector_size)),
+        xDeviceCharacteristics: inner.xDeviceCharacteristics.and(Some(device_characteristics)),
+        xShmMap: inner.xShmMap.and(Some(shm_map)),
+        xShmLock: inner.xShmLock.and(Some(db_shm_lock)),
+        xShmBarrier: inner.xShmBarrier.and(Some(shm_barrier)),
+        xShmUnmap: inner.xShmUnmap.and(Some(shm_unmap)),
+        xFetch: inner.xFetch.and(Some(fetch)),
+        xUnfetch: inner.xUnfetch.and(Some(unfetch)),
+    }));
+    tables.push((key, ours));
+    ours
+}
+
+/// Our database files' methods, by the default VFS's methods they pass on to: one table for
+/// each of those (a handful, one per locking style).
+static DB_TABLES: Mutex<Vec<(usize, &'static ffi::sqlite3_io_methods)>> = Mutex::new(Vec::new());
+
+fn lock_tables() -> std::sync::MutexGuard<'static, Vec<(usize, &'static ffi::sqlite3_io_methods)>> {
+    crate::sync::lock(&DB_TABLES)
+}
+
 unsafe extern "C" fn open(
     _vfs: *mut ffi::sqlite3_vfs,
     name: ffi::sqlite3_filename,
@@ -139,83 +211,143 @@ unsafe extern "C" fn open(
 ) -> c_int {
     // Set before the VFS was registered, so always there.
     let Some(base) = BASE.get() else { return ffi::SQLITE_CANTOPEN };
-    // SAFETY: the default VFS's own `xOpen` is given its own VFS and SQLite's arguments.
-    let open_inner = |inner: *mut ffi::sqlite3_file| unsafe {
-        match (*base.vfs).xOpen {
-            Some(open) => open(base.vfs, name, inner, flags, out_flags),
-            None => ffi::SQLITE_CANTOPEN,
-        }
+    let wraps = flags & (ffi::SQLITE_OPEN_WAL | ffi::SQLITE_OPEN_MAIN_DB) != 0;
+    // SAFETY: SQLite gives `szOsFile` bytes, 8-byte aligned: our struct, then the default
+    // VFS's handle (our structs' sizes are multiples of their 8-byte alignment). A file we do
+    // not wrap is the default VFS's handle alone, at the start.
+    let inner = if wraps {
+        unsafe { file.cast::<u8>().add(size_of::<WalFile>().max(size_of::<DbFile>())).cast() }
+    } else {
+        file
     };
-    if flags & ffi::SQLITE_OPEN_WAL == 0 {
-        // The default VFS's handle in place of ours: `file` has room for it.
-        return open_inner(file);
+    // SAFETY: the default VFS's own `xOpen`, given its own VFS and SQLite's arguments.
+    let rc = match unsafe { (*base.vfs).xOpen } {
+        Some(open) => unsafe { open(base.vfs, name, inner, flags, out_flags) },
+        None => ffi::SQLITE_CANTOPEN,
+    };
+    if !wraps {
+        return rc;
     }
-    // SAFETY: SQLite gives `szOsFile` bytes, 8-byte aligned: a `WalFile`, then the default
-    // VFS's handle (`WalFile`'s size is a multiple of its 8-byte alignment).
+    // SAFETY: `file` is ours to fill: SQLite calls no method of a handle whose open failed
+    // and whose methods are null.
     unsafe {
-        let inner = file.cast::<u8>().add(size_of::<WalFile>()).cast::<ffi::sqlite3_file>();
-        let rc = open_inner(inner);
         if rc != ffi::SQLITE_OK {
-            // No methods: SQLite then never calls `xClose` on a handle that did not open.
             (*file).pMethods = ptr::null();
             return rc;
         }
-        file.cast::<WalFile>().write(WalFile {
-            handle: ffi::sqlite3_file { pMethods: &base.file_methods },
-            inner,
+        let wrapped = |methods| Wrapped { handle: ffi::sqlite3_file { pMethods: methods }, inner };
+        if flags & ffi::SQLITE_OPEN_MAIN_DB != 0 {
+            let methods = db_methods(&*(*inner).pMethods);
+            file.cast::<DbFile>().write(DbFile { wrapped: wrapped(methods), wal: ptr::null_mut() });
+            return ffi::SQLITE_OK;
+        }
+        let db = database_of(name);
+        let wal = file.cast::<WalFile>();
+        wal.write(WalFile {
+            wrapped: wrapped(&base.wal_methods),
+            db,
+            gathers: !db.is_null() && power_safe(inner) && power_safe((*db).wrapped.inner),
             gathered: Vec::new(),
             start: 0,
             last_end: 0,
             in_commit_frame: false,
         });
+        if !db.is_null() {
+            (*db).wal = wal;
+        }
     }
     ffi::SQLITE_OK
 }
 
+/// The database file of the WAL named `name`, if it is ours.
+///
+/// # Safety
+/// `name` is the name SQLite passed to `xOpen` for a WAL file.
+unsafe fn database_of(name: ffi::sqlite3_filename) -> *mut DbFile {
+    // SAFETY: SQLite answers this for a journal's or WAL's name during its `xOpen`.
+    let db = unsafe { ffi::sqlite3_database_file_object(name) };
+    // Ours only if its methods are one of our database tables (always, in practice: a WAL is
+    // opened through its database's VFS).
+    // SAFETY: a live file handle.
+    let methods = if db.is_null() { ptr::null() } else { unsafe { (*db).pMethods } };
+    let ours = lock_tables().iter().any(|(_, table)| ptr::eq(*table, methods));
+    if ours { db.cast() } else { ptr::null_mut() }
+}
+
+/// Whether SQLite writes frames to `file` without padding them to a sector.
+///
+/// # Safety
+/// `file` is an open handle of the default VFS.
+unsafe fn power_safe(file: *mut ffi::sqlite3_file) -> bool {
+    // SAFETY: per the contract.
+    let characteristics = unsafe { (*(*file).pMethods).xDeviceCharacteristics.map_or(0, |f| f(file)) };
+    characteristics & ffi::SQLITE_IOCAP_POWERSAFE_OVERWRITE != 0
+}
+
+impl Wrapped {
+    /// # Safety
+    /// `file` is an open handle our `open` made (a WAL or a database file).
+    unsafe fn of<'a>(file: *mut ffi::sqlite3_file) -> &'a Wrapped {
+        // SAFETY: per the contract: both structs start with `Wrapped`.
+        unsafe { &*file.cast::<Wrapped>() }
+    }
+
+    /// Makes `call` on the default VFS's handle.
+    fn pass(&self, call: impl FnOnce(&ffi::sqlite3_io_methods, *mut ffi::sqlite3_file) -> Option<c_int>) -> c_int {
+        // SAFETY: the default VFS set the methods of the handle it opened; they are static.
+        call(unsafe { &*(*self.inner).pMethods }, self.inner).unwrap_or(ffi::SQLITE_IOERR)
+    }
+}
+
 impl WalFile {
     /// # Safety
-    /// `file` is a handle `open` made for a WAL file and has not closed.
+    /// `file` is a WAL handle our `open` made, not yet closed; SQLite uses a handle (and its
+    /// database's) from one thread at a time.
     unsafe fn of<'a>(file: *mut ffi::sqlite3_file) -> &'a mut WalFile {
-        // SAFETY: per the contract; SQLite uses a handle from one thread at a time.
+        // SAFETY: per the contract.
         unsafe { &mut *file.cast::<WalFile>() }
     }
 
-    fn inner_methods(&self) -> &ffi::sqlite3_io_methods {
-        // SAFETY: the default VFS set the methods of the handle it opened; they are static.
-        unsafe { &*(*self.inner).pMethods }
-    }
-
-    /// Writes what is gathered.
+    /// Writes what is gathered. Written or not, it is then dropped: a failure fails the
+    /// transaction those frames belong to.
     fn flush(&mut self) -> c_int {
-        if self.gathered.is_empty() {
-            return ffi::SQLITE_OK;
-        }
         let mut rc = ffi::SQLITE_OK;
         let mut offset = self.start;
         for chunk in self.gathered.chunks(MAX_WRITE) {
-            rc = self.write_through(chunk.as_ptr().cast(), chunk.len() as c_int, offset);
+            rc = self.write_through(chunk, offset);
             if rc != ffi::SQLITE_OK {
                 break;
             }
             offset += chunk.len() as i64;
         }
-        // Written or not, it is not written again: a failed write fails SQLite's transaction,
-        // whose frames are then dropped. The buffer keeps its room for the next commit.
         self.gathered.clear();
+        // The room stays for the next commit, up to the bound.
+        self.gathered.shrink_to(MAX_GATHERED);
         rc
     }
 
-    fn write_through(&self, data: *const c_void, len: c_int, offset: i64) -> c_int {
-        match self.inner_methods().xWrite {
-            // SAFETY: the default VFS's write on its own handle; `data` holds `len` bytes.
-            Some(write) => unsafe { write(self.inner, data, len, offset) },
-            None => ffi::SQLITE_IOERR_WRITE,
+    /// [`WalFile::flush`] before another operation: any failure is an I/O error, which
+    /// rolls back the transaction whose frames were lost (a full disk would roll back only
+    /// a statement).
+    fn flush_before(&mut self) -> c_int {
+        match self.flush() {
+            ffi::SQLITE_OK => ffi::SQLITE_OK,
+            _ => ffi::SQLITE_IOERR_WRITE,
         }
+    }
+
+    fn write_through(&self, data: &[u8], offset: i64) -> c_int {
+        // SAFETY: the default VFS's write on its own handle; `data` holds its length.
+        self.wrapped
+            .pass(|m, inner| m.xWrite.map(|f| unsafe { f(inner, data.as_ptr().cast(), data.len() as c_int, offset) }))
     }
 
     /// Gathers `data` if it continues an append, else writes it at once, after what is
     /// gathered (a frame overwritten within its transaction, checksums rewritten).
     fn write(&mut self, data: &[u8], offset: i64) -> c_int {
+        if !self.gathers {
+            return self.write_through(data, offset);
+        }
         let appends = if self.gathered.is_empty() {
             // Where the last write ended, or a new WAL's header at the start.
             offset == self.last_end || offset == 0
@@ -234,7 +366,10 @@ impl WalFile {
         }
         self.last_end = offset + data.len() as i64;
         if !appends {
-            return self.write_through(data.as_ptr().cast(), data.len() as c_int, offset);
+            return self.write_through(data, offset);
+        }
+        if self.gathered.try_reserve(data.len()).is_err() {
+            return ffi::SQLITE_NOMEM;
         }
         if self.gathered.is_empty() {
             self.start = offset;
@@ -248,58 +383,62 @@ impl WalFile {
 /// Writes what `file` gathered, then makes `call` on the default VFS's handle.
 ///
 /// # Safety
-/// `file` is an open WAL handle of ours; `call` calls one of its inner methods.
+/// `file` is an open WAL handle of ours.
 unsafe fn flushed(
     file: *mut ffi::sqlite3_file,
     call: impl FnOnce(&ffi::sqlite3_io_methods, *mut ffi::sqlite3_file) -> Option<c_int>,
 ) -> c_int {
     // SAFETY: per the contract.
     let wal = unsafe { WalFile::of(file) };
-    let rc = wal.flush();
-    if rc != ffi::SQLITE_OK {
-        return rc;
+    match wal.flush_before() {
+        ffi::SQLITE_OK => wal.wrapped.pass(call),
+        rc => rc,
     }
-    call(wal.inner_methods(), wal.inner).unwrap_or(ffi::SQLITE_IOERR)
 }
 
-/// Makes `call` on the default VFS's handle of `file`, writing nothing gathered first.
+/// Makes `call` on the default VFS's handle of `file`, a WAL or a database file of ours.
 ///
 /// # Safety
-/// As [`flushed`].
-unsafe fn passed_on(
+/// `file` is an open handle our `open` made.
+unsafe fn passed(
     file: *mut ffi::sqlite3_file,
     call: impl FnOnce(&ffi::sqlite3_io_methods, *mut ffi::sqlite3_file) -> Option<c_int>,
 ) -> c_int {
     // SAFETY: per the contract.
-    let wal = unsafe { WalFile::of(file) };
-    call(wal.inner_methods(), wal.inner).unwrap_or(ffi::SQLITE_IOERR)
+    unsafe { Wrapped::of(file) }.pass(call)
 }
 
-unsafe extern "C" fn close(file: *mut ffi::sqlite3_file) -> c_int {
-    // SAFETY: SQLite closes a handle `open` made, once.
+// The WAL file's own methods.
+
+unsafe extern "C" fn wal_close(file: *mut ffi::sqlite3_file) -> c_int {
+    // SAFETY: SQLite closes a handle `open` made, once; its database file, if still open,
+    // forgets it.
     unsafe {
-        let written = WalFile::of(file).flush();
-        let closed = passed_on(file, |m, inner| m.xClose.map(|f| f(inner)));
+        let wal = WalFile::of(file);
+        let written = wal.flush_before();
+        if !wal.db.is_null() {
+            (*wal.db).wal = ptr::null_mut();
+        }
+        let closed = wal.wrapped.pass(|m, inner| m.xClose.map(|f| f(inner)));
         ptr::drop_in_place(file.cast::<WalFile>());
         if written != ffi::SQLITE_OK { written } else { closed }
     }
 }
 
-unsafe extern "C" fn read(file: *mut ffi::sqlite3_file, buf: *mut c_void, len: c_int, offset: i64) -> c_int {
-    // SAFETY: SQLite's arguments, passed on.
+unsafe extern "C" fn wal_read(file: *mut ffi::sqlite3_file, buf: *mut c_void, len: c_int, offset: i64) -> c_int {
+    // SAFETY: SQLite's arguments, passed on (as in every method below).
     unsafe { flushed(file, |m, inner| m.xRead.map(|f| f(inner, buf, len, offset))) }
 }
 
-unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, buf: *const c_void, len: c_int, offset: i64) -> c_int {
-    // SAFETY: SQLite passes `len` readable bytes at `buf`, and a handle `open` made.
+unsafe extern "C" fn wal_write(file: *mut ffi::sqlite3_file, buf: *const c_void, len: c_int, offset: i64) -> c_int {
+    // SAFETY: SQLite passes `len` readable bytes at `buf`.
     unsafe {
         let data = std::slice::from_raw_parts(buf.cast::<u8>(), len.max(0) as usize);
         WalFile::of(file).write(data, offset)
     }
 }
 
-unsafe extern "C" fn truncate(file: *mut ffi::sqlite3_file, size: i64) -> c_int {
-    // SAFETY: as `read`.
+unsafe extern "C" fn wal_truncate(file: *mut ffi::sqlite3_file, size: i64) -> c_int {
     unsafe {
         let rc = flushed(file, |m, inner| m.xTruncate.map(|f| f(inner, size)));
         let wal = WalFile::of(file);
@@ -308,44 +447,126 @@ unsafe extern "C" fn truncate(file: *mut ffi::sqlite3_file, size: i64) -> c_int 
     }
 }
 
-unsafe extern "C" fn sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
-    // SAFETY: as `read`.
+unsafe extern "C" fn wal_sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
     unsafe { flushed(file, |m, inner| m.xSync.map(|f| f(inner, flags))) }
 }
 
-unsafe extern "C" fn file_size(file: *mut ffi::sqlite3_file, size: *mut i64) -> c_int {
-    // SAFETY: as `read`.
+unsafe extern "C" fn wal_file_size(file: *mut ffi::sqlite3_file, size: *mut i64) -> c_int {
     unsafe { flushed(file, |m, inner| m.xFileSize.map(|f| f(inner, size))) }
 }
 
-unsafe extern "C" fn lock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
-    // SAFETY: as `read`.
-    unsafe { passed_on(file, |m, inner| m.xLock.map(|f| f(inner, level))) }
-}
-
-unsafe extern "C" fn unlock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
-    // SAFETY: as `read`.
-    unsafe { passed_on(file, |m, inner| m.xUnlock.map(|f| f(inner, level))) }
-}
-
-unsafe extern "C" fn check_reserved_lock(file: *mut ffi::sqlite3_file, out: *mut c_int) -> c_int {
-    // SAFETY: as `read`.
-    unsafe { passed_on(file, |m, inner| m.xCheckReservedLock.map(|f| f(inner, out))) }
-}
-
-unsafe extern "C" fn file_control(file: *mut ffi::sqlite3_file, op: c_int, arg: *mut c_void) -> c_int {
-    // SAFETY: as `read`. Unknown controls come back `SQLITE_NOTFOUND` from the default VFS.
+unsafe extern "C" fn wal_file_control(file: *mut ffi::sqlite3_file, op: c_int, arg: *mut c_void) -> c_int {
     unsafe { flushed(file, |m, inner| m.xFileControl.map(|f| f(inner, op, arg))) }
 }
 
+// The database file's own methods.
+
+unsafe extern "C" fn db_close(file: *mut ffi::sqlite3_file) -> c_int {
+    // SAFETY: SQLite closes a handle `open` made, once (its WAL closes first; if not, the WAL
+    // forgets it).
+    unsafe {
+        let db = file.cast::<DbFile>();
+        if !(*db).wal.is_null() {
+            (*(*db).wal).db = ptr::null_mut();
+        }
+        passed(file, |m, inner| m.xClose.map(|f| f(inner)))
+    }
+}
+
+unsafe extern "C" fn db_shm_lock(file: *mut ffi::sqlite3_file, offset: c_int, n: c_int, flags: c_int) -> c_int {
+    // SAFETY: a database handle of ours; its WAL, if open, is used from this thread too.
+    unsafe {
+        let db = file.cast::<DbFile>();
+        let releases_write_lock = offset <= WAL_WRITE_LOCK
+            && WAL_WRITE_LOCK < offset + n
+            && flags == ffi::SQLITE_SHM_UNLOCK | ffi::SQLITE_SHM_EXCLUSIVE;
+        if releases_write_lock && !(*db).wal.is_null() {
+            // Only a transaction that did not commit leaves anything (a commit writes all
+            // its frames): written now, as SQLite would have, or lost if that fails, which
+            // nothing reads. Either way nothing is written once another writer may append.
+            let _ = (*(*db).wal).flush();
+        }
+        passed(file, |m, inner| m.xShmLock.map(|f| f(inner, offset, n, flags)))
+    }
+}
+
+// Methods passed on as they are.
+
+unsafe extern "C" fn read(file: *mut ffi::sqlite3_file, buf: *mut c_void, len: c_int, offset: i64) -> c_int {
+    unsafe { passed(file, |m, inner| m.xRead.map(|f| f(inner, buf, len, offset))) }
+}
+
+unsafe extern "C" fn write(file: *mut ffi::sqlite3_file, buf: *const c_void, len: c_int, offset: i64) -> c_int {
+    unsafe { passed(file, |m, inner| m.xWrite.map(|f| f(inner, buf, len, offset))) }
+}
+
+unsafe extern "C" fn truncate(file: *mut ffi::sqlite3_file, size: i64) -> c_int {
+    unsafe { passed(file, |m, inner| m.xTruncate.map(|f| f(inner, size))) }
+}
+
+unsafe extern "C" fn sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
+    unsafe { passed(file, |m, inner| m.xSync.map(|f| f(inner, flags))) }
+}
+
+unsafe extern "C" fn file_size(file: *mut ffi::sqlite3_file, size: *mut i64) -> c_int {
+    unsafe { passed(file, |m, inner| m.xFileSize.map(|f| f(inner, size))) }
+}
+
+unsafe extern "C" fn lock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
+    unsafe { passed(file, |m, inner| m.xLock.map(|f| f(inner, level))) }
+}
+
+unsafe extern "C" fn unlock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
+    unsafe { passed(file, |m, inner| m.xUnlock.map(|f| f(inner, level))) }
+}
+
+unsafe extern "C" fn check_reserved_lock(file: *mut ffi::sqlite3_file, out: *mut c_int) -> c_int {
+    unsafe { passed(file, |m, inner| m.xCheckReservedLock.map(|f| f(inner, out))) }
+}
+
+unsafe extern "C" fn file_control(file: *mut ffi::sqlite3_file, op: c_int, arg: *mut c_void) -> c_int {
+    unsafe { passed(file, |m, inner| m.xFileControl.map(|f| f(inner, op, arg))) }
+}
+
 unsafe extern "C" fn sector_size(file: *mut ffi::sqlite3_file) -> c_int {
-    // SAFETY: as `read`.
-    unsafe { passed_on(file, |m, inner| m.xSectorSize.map(|f| f(inner))) }
+    unsafe { passed(file, |m, inner| m.xSectorSize.map(|f| f(inner))) }
 }
 
 unsafe extern "C" fn device_characteristics(file: *mut ffi::sqlite3_file) -> c_int {
-    // SAFETY: as `read`.
-    unsafe { passed_on(file, |m, inner| m.xDeviceCharacteristics.map(|f| f(inner))) }
+    unsafe { passed(file, |m, inner| m.xDeviceCharacteristics.map(|f| f(inner))) }
+}
+
+unsafe extern "C" fn shm_map(
+    file: *mut ffi::sqlite3_file,
+    region: c_int,
+    size: c_int,
+    extend: c_int,
+    out: *mut *mut c_void,
+) -> c_int {
+    unsafe { passed(file, |m, inner| m.xShmMap.map(|f| f(inner, region, size, extend, out))) }
+}
+
+unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
+    unsafe {
+        passed(file, |m, inner| {
+            m.xShmBarrier.map(|f| {
+                f(inner);
+                ffi::SQLITE_OK
+            })
+        });
+    }
+}
+
+unsafe extern "C" fn shm_unmap(file: *mut ffi::sqlite3_file, delete: c_int) -> c_int {
+    unsafe { passed(file, |m, inner| m.xShmUnmap.map(|f| f(inner, delete))) }
+}
+
+unsafe extern "C" fn fetch(file: *mut ffi::sqlite3_file, offset: i64, len: c_int, out: *mut *mut c_void) -> c_int {
+    unsafe { passed(file, |m, inner| m.xFetch.map(|f| f(inner, offset, len, out))) }
+}
+
+unsafe extern "C" fn unfetch(file: *mut ffi::sqlite3_file, offset: i64, page: *mut c_void) -> c_int {
+    unsafe { passed(file, |m, inner| m.xUnfetch.map(|f| f(inner, offset, page))) }
 }
 
 #[cfg(test)]
@@ -397,6 +618,59 @@ mod tests {
             assert_eq!(rows.len() as i64, (round + 1) * 64);
             assert!(rows.iter().all(|(n, b)| *b == body(*n)), "a row read back differs");
         }
+    }
+
+    #[test]
+    fn frames_of_a_rolled_back_transaction_never_overwrite_another_writers_commits() {
+        // A transaction that wrote frames before its commit (a 4-page cache) and then rolled
+        // back leaves them past the WAL's end, where the next writer commits: here another
+        // connection, as another process would.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let spiller = gathering(&path);
+        spiller.execute_batch("CREATE TABLE t (n INTEGER PRIMARY KEY, body BLOB)").unwrap();
+        spiller.pragma_update(None, "cache_size", 4).unwrap();
+        // The database's first page in the database file, not the WAL: a rollback then reads
+        // nothing back from the WAL.
+        spiller.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").unwrap();
+        let other = gathering(&path);
+        let tx = spiller.unchecked_transaction().unwrap();
+        // Rows of 20 KB: their overflow pages are written out and never read back.
+        for n in 0..30i64 {
+            tx.execute("INSERT INTO t VALUES (?1, ?2)", params![n, vec![0xAA_u8; 20_000]]).unwrap();
+        }
+        tx.rollback().unwrap();
+        for n in 0..100i64 {
+            other.execute("INSERT INTO t VALUES (?1, ?2)", params![n, vec![n as u8; 3000]]).unwrap();
+        }
+        // The first connection reads again (and closes): nothing it held may land now.
+        let rows: i64 = spiller.query_row("SELECT count(*) FROM t", [], |r| r.get(0)).unwrap();
+        assert_eq!(rows, 100);
+        drop(spiller);
+        let rows = read_plainly(&path);
+        assert_eq!(rows.len(), 100);
+        assert!(rows.iter().all(|(n, body)| *body == vec![*n as u8; 3000]), "a committed row was overwritten");
+    }
+
+    #[test]
+    fn a_wal_that_sqlite_pads_to_sectors_gathers_nothing() {
+        // Without power-safe overwrite SQLite pads a commit to a sector and may split a frame
+        // around a sync: frames are then written as SQLite writes them.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let uri = format!("file:{}?psow=0", path.display());
+        let conn = gathering(std::path::Path::new(&uri));
+        conn.pragma_update(None, "synchronous", "FULL").unwrap();
+        conn.execute_batch("CREATE TABLE t (n INTEGER PRIMARY KEY, body BLOB)").unwrap();
+        let before = writes_by_this_thread();
+        let tx = conn.unchecked_transaction().unwrap();
+        for n in 0..64i64 {
+            tx.execute("INSERT INTO t VALUES (?1, ?2)", params![n, vec![n as u8; 4000]]).unwrap();
+        }
+        tx.commit().unwrap();
+        let writes = writes_by_this_thread() - before;
+        assert!(writes >= 128, "{writes} write calls: frames were gathered on a padded WAL");
+        assert_eq!(read_plainly(&path).len(), 64);
     }
 
     #[test]
