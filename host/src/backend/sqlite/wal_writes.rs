@@ -15,7 +15,8 @@
 //! - **Nothing outlives the write lock.** A transaction that rolls back leaves the frames it
 //!   wrote early (a spilled cache) past the WAL's end, where the next writer, maybe another
 //!   process, appends its own. So what is gathered is written before the connection lets go
-//!   of the WAL's write lock (its database file's shared-memory lock 0), as SQLite would have
+//!   of the WAL's write lock (its database file's shared-memory lock 0), or of its lock on
+//!   the database file (which exclusive locking mode holds instead), as SQLite would have
 //!   written it, and never after.
 //! - **Order.** Anything else done with the WAL (a read, a write elsewhere, a sync, its size,
 //!   a truncation, a file control, closing it) first writes what is gathered; a failure there
@@ -178,7 +179,7 @@ fn db_methods(inner: &'static ffi::sqlite3_io_methods) -> &'static ffi::sqlite3_
         xSync: inner.xSync.and(Some(sync)),
         xFileSize: inner.xFileSize.and(Some(file_size)),
         xLock: inner.xLock.and(Some(lock)),
-        xUnlock: inner.xUnlock.and(Some(unlock)),
+        xUnlock: inner.xUnlock.and(Some(db_unlock)),
         xCheckReservedLock: inner.xCheckReservedLock.and(Some(check_reserved_lock)),
         xFileControl: inner.xFileControl.and(Some(file_control)),
         xSectorSize: inner.xSectorSize.and(Some(sector_size)),
@@ -480,13 +481,35 @@ unsafe extern "C" fn db_shm_lock(file: *mut ffi::sqlite3_file, offset: c_int, n:
         let releases_write_lock = offset <= WAL_WRITE_LOCK
             && WAL_WRITE_LOCK < offset + n
             && flags == ffi::SQLITE_SHM_UNLOCK | ffi::SQLITE_SHM_EXCLUSIVE;
-        if releases_write_lock && !(*db).wal.is_null() {
-            // Only a transaction that did not commit leaves anything (a commit writes all
-            // its frames): written now, as SQLite would have, or lost if that fails, which
-            // nothing reads. Either way nothing is written once another writer may append.
-            let _ = (*(*db).wal).flush();
+        if releases_write_lock {
+            flush_wal(db);
         }
         passed(file, |m, inner| m.xShmLock.map(|f| f(inner, offset, n, flags)))
+    }
+}
+
+unsafe extern "C" fn db_unlock(file: *mut ffi::sqlite3_file, level: c_int) -> c_int {
+    // SAFETY: as `db_shm_lock`. In exclusive locking mode SQLite keeps the WAL's write lock
+    // and lets go of the database file's lock instead.
+    unsafe {
+        flush_wal(file.cast());
+        passed(file, |m, inner| m.xUnlock.map(|f| f(inner, level)))
+    }
+}
+
+/// Writes what the WAL of `db` gathered, as its connection lets go of a lock: only a
+/// transaction that did not commit leaves anything (a commit writes all its frames). Written
+/// now, as SQLite would have, or lost if that fails, which nothing reads; either way nothing
+/// is written once another writer may append.
+///
+/// # Safety
+/// `db` is an open database handle of ours; its WAL, if open, is used from this thread too.
+unsafe fn flush_wal(db: *mut DbFile) {
+    // SAFETY: per the contract.
+    unsafe {
+        if !(*db).wal.is_null() {
+            let _ = (*(*db).wal).flush();
+        }
     }
 }
 
@@ -649,6 +672,35 @@ mod tests {
         drop(spiller);
         let rows = read_plainly(&path);
         assert_eq!(rows.len(), 100);
+        assert!(rows.iter().all(|(n, body)| *body == vec![*n as u8; 3000]), "a committed row was overwritten");
+    }
+
+    #[test]
+    fn frames_rolled_back_in_exclusive_locking_mode_never_outlive_its_end() {
+        // In exclusive locking mode SQLite never releases the WAL's write lock: leaving the
+        // mode, it drops its lock on the database file instead.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        let spiller = gathering(&path);
+        spiller.execute_batch("CREATE TABLE t (n INTEGER PRIMARY KEY, body BLOB)").unwrap();
+        spiller.execute_batch("PRAGMA wal_checkpoint(TRUNCATE)").unwrap();
+        spiller.pragma_update(None, "cache_size", 4).unwrap();
+        spiller.pragma_update(None, "locking_mode", "EXCLUSIVE").unwrap();
+        let tx = spiller.unchecked_transaction().unwrap();
+        for n in 0..30i64 {
+            tx.execute("INSERT INTO t VALUES (?1, ?2)", params![n, vec![0xAA_u8; 20_000]]).unwrap();
+        }
+        tx.rollback().unwrap();
+        spiller.pragma_update(None, "locking_mode", "NORMAL").unwrap();
+        spiller.execute_batch("BEGIN IMMEDIATE; COMMIT").unwrap();
+        let other = gathering(&path);
+        for n in 0..100i64 {
+            other.execute("INSERT INTO t VALUES (?1, ?2)", params![n, vec![n as u8; 3000]]).unwrap();
+        }
+        let rows: i64 = spiller.query_row("SELECT count(*) FROM t", [], |r| r.get(0)).unwrap();
+        assert_eq!(rows, 100);
+        drop(spiller);
+        let rows = read_plainly(&path);
         assert!(rows.iter().all(|(n, body)| *body == vec![*n as u8; 3000]), "a committed row was overwritten");
     }
 
