@@ -381,18 +381,15 @@ impl WalFile {
     }
 }
 
-/// Writes what `file` gathered, then makes `call` on the default VFS's handle.
+/// Writes what `file` gathered, then passes the call on with `then` (one of the methods
+/// below that pass calls on as they are).
 ///
 /// # Safety
 /// `file` is an open WAL handle of ours.
-unsafe fn flushed(
-    file: *mut ffi::sqlite3_file,
-    call: impl FnOnce(&ffi::sqlite3_io_methods, *mut ffi::sqlite3_file) -> Option<c_int>,
-) -> c_int {
+unsafe fn flushed(file: *mut ffi::sqlite3_file, then: impl FnOnce() -> c_int) -> c_int {
     // SAFETY: per the contract.
-    let wal = unsafe { WalFile::of(file) };
-    match wal.flush_before() {
-        ffi::SQLITE_OK => wal.wrapped.pass(call),
+    match unsafe { WalFile::of(file) }.flush_before() {
+        ffi::SQLITE_OK => then(),
         rc => rc,
     }
 }
@@ -428,7 +425,7 @@ unsafe extern "C" fn wal_close(file: *mut ffi::sqlite3_file) -> c_int {
 
 unsafe extern "C" fn wal_read(file: *mut ffi::sqlite3_file, buf: *mut c_void, len: c_int, offset: i64) -> c_int {
     // SAFETY: SQLite's arguments, passed on (as in every method below).
-    unsafe { flushed(file, |m, inner| m.xRead.map(|f| f(inner, buf, len, offset))) }
+    unsafe { flushed(file, || read(file, buf, len, offset)) }
 }
 
 unsafe extern "C" fn wal_write(file: *mut ffi::sqlite3_file, buf: *const c_void, len: c_int, offset: i64) -> c_int {
@@ -441,7 +438,7 @@ unsafe extern "C" fn wal_write(file: *mut ffi::sqlite3_file, buf: *const c_void,
 
 unsafe extern "C" fn wal_truncate(file: *mut ffi::sqlite3_file, size: i64) -> c_int {
     unsafe {
-        let rc = flushed(file, |m, inner| m.xTruncate.map(|f| f(inner, size)));
+        let rc = flushed(file, || truncate(file, size));
         let wal = WalFile::of(file);
         wal.last_end = wal.last_end.min(size);
         rc
@@ -449,15 +446,15 @@ unsafe extern "C" fn wal_truncate(file: *mut ffi::sqlite3_file, size: i64) -> c_
 }
 
 unsafe extern "C" fn wal_sync(file: *mut ffi::sqlite3_file, flags: c_int) -> c_int {
-    unsafe { flushed(file, |m, inner| m.xSync.map(|f| f(inner, flags))) }
+    unsafe { flushed(file, || sync(file, flags)) }
 }
 
 unsafe extern "C" fn wal_file_size(file: *mut ffi::sqlite3_file, size: *mut i64) -> c_int {
-    unsafe { flushed(file, |m, inner| m.xFileSize.map(|f| f(inner, size))) }
+    unsafe { flushed(file, || file_size(file, size)) }
 }
 
 unsafe extern "C" fn wal_file_control(file: *mut ffi::sqlite3_file, op: c_int, arg: *mut c_void) -> c_int {
-    unsafe { flushed(file, |m, inner| m.xFileControl.map(|f| f(inner, op, arg))) }
+    unsafe { flushed(file, || file_control(file, op, arg)) }
 }
 
 // The database file's own methods.
