@@ -973,6 +973,11 @@ impl SqliteBackend {
     pub fn wal_pages_written(&self) -> u64 {
         self.checkpointer.pages_appended()
     }
+
+    /// WAL pages the checkpoints off the commits' path copied into the database so far.
+    pub fn wal_pages_checkpointed(&self) -> u64 {
+        self.checkpointer.frames_copied()
+    }
 }
 
 #[cfg(test)]

@@ -174,12 +174,13 @@ pub async fn run(
         let run = concurrent_ct1(runtime, &db, sagas_dir, (sagas / 4).max(640), 64).await?;
         out.rates.push((
             format!(
-                "durable ct1 sagas/s, 64 in flight, one process, {} ({:.1} journal records per transaction, {:.1} WAL pages per saga, writer busy {:.0} % of the time, {} checkpoints off the commits' path, journal {} bytes/saga)",
+                "durable ct1 sagas/s, 64 in flight, one process, {} ({:.1} journal records per transaction, {:.1} WAL pages per saga, writer busy {:.0} % of the time, {} checkpoints off the commits' path copying {:.0} % of the WAL pages, journal {} bytes/saga)",
                 db.label(),
                 run.records_per_transaction,
                 run.wal_pages,
                 run.writer_busy * 100.0,
                 run.checkpoints,
+                run.checkpointed * 100.0,
                 run.journal_bytes
             ),
             run.rate,
@@ -349,6 +350,9 @@ struct Concurrent {
     /// The share of the wall time the group's writer spent writing.
     writer_busy: f64,
     checkpoints: u64,
+    /// The share of the WAL pages appended that those checkpoints copied (the writer copied
+    /// the rest itself, its runs' commits waiting).
+    checkpointed: f64,
     /// Per saga: what says whether whole runs were timed.
     journal_bytes: u64,
 }
@@ -368,6 +372,7 @@ async fn concurrent_ct1(
     let saga = Arc::new(saga);
     let per_task = sagas.div_ceil(in_flight);
     let pages_before = backend.wal_pages_written();
+    let checkpointed_before = backend.wal_pages_checkpointed();
     let started = Instant::now();
     // A set: when one run fails, the others are stopped and waited for, so that the runtime
     // never shuts down under a run still going.
@@ -409,6 +414,8 @@ async fn concurrent_ct1(
         wal_pages: (backend.wal_pages_written() - pages_before) as f64 / runs.len().max(1) as f64,
         writer_busy,
         checkpoints: backend.checkpoints(),
+        checkpointed: (backend.wal_pages_checkpointed() - checkpointed_before) as f64
+            / (backend.wal_pages_written() - pages_before).max(1) as f64,
         journal_bytes: bytes / runs.len().max(1) as u64,
     })
 }

@@ -9,15 +9,21 @@
 //! wakes a thread of its own, which checkpoints on a connection of its own (`PASSIVE`: it
 //! never blocks readers or the writer).
 //!
+//! SQLite opens a connection's WAL at the connection's first read; a checkpoint before it does
+//! nothing and reports success. So the thread's connection reads once before it checkpoints
+//! (before it did, the thread copied nothing, and the writer copied all 8,000 pages itself
+//! each time, with every run's commit waiting).
+//!
 //! A WAL starts over from its beginning only when a write transaction begins after a
 //! checkpoint copied every page, so a writer that never pauses would let it grow without
 //! bound: past [`WRITER_CHECKPOINT_FRAMES`] the writing connection checkpoints itself, which
-//! then copies only what the thread has not.
+//! then copies only what the thread has not; while the thread is checkpointing, the writer
+//! does not wait for it, up to [`MOST_FRAMES`].
 
 use std::ffi::c_int;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use rusqlite::hooks::Wal;
@@ -25,12 +31,18 @@ use rusqlite::wal::CheckpointMode;
 use rusqlite::{Connection, ErrorCode};
 
 use crate::backend::DbError;
+use crate::sync::{lock, try_lock};
 
 /// WAL pages written between two of the thread's checkpoints (SQLite's own threshold).
 const CHECKPOINT_FRAMES: c_int = 1000;
 
-/// WAL pages at which the writing connection checkpoints itself (about 32 MB).
+/// WAL pages at which the writing connection checkpoints itself (about 32 MB), unless the
+/// thread is checkpointing.
 const WRITER_CHECKPOINT_FRAMES: c_int = 8 * CHECKPOINT_FRAMES;
+
+/// WAL pages at which the writing connection waits for the thread's checkpoint to end, and
+/// checkpoints the rest itself: the most a WAL holds, but for a commit.
+const MOST_FRAMES: c_int = 2 * WRITER_CHECKPOINT_FRAMES;
 
 /// The checkpointing thread; dropping it stops the thread and waits for it.
 pub(super) struct Checkpointer {
@@ -41,6 +53,8 @@ pub(super) struct Checkpointer {
     done: Arc<AtomicU64>,
     /// Pages the writer's commits appended to the WAL.
     appended: Arc<AtomicU64>,
+    /// WAL frames the thread's checkpoints copied into the database.
+    copied: Arc<AtomicU64>,
 }
 
 impl Checkpointer {
@@ -53,6 +67,9 @@ impl Checkpointer {
         // One wake-up pending at most: commits during a checkpoint ask for one more, not many.
         let (wake, woken) = std::sync::mpsc::sync_channel(1);
         let hook_wake = wake.clone();
+        // Held by whoever of the thread and the writer checkpoints.
+        let gate = Arc::new(Mutex::new(()));
+        let hook_gate = gate.clone();
         // The WAL's length when the thread was last woken: it is woken again once as many
         // pages more were written, not at every commit past the threshold.
         let mut woken_at = 0;
@@ -71,9 +88,17 @@ impl Checkpointer {
             if started_over {
                 woken_at = 0;
             }
-            if frames >= WRITER_CHECKPOINT_FRAMES {
-                // Busy (the thread is checkpointing): the next commit tries again.
-                let _ = wal.checkpoint();
+            if frames >= MOST_FRAMES {
+                // The thread's checkpoint ran for as long as the WAL took to double: wait for
+                // it to end (SQLite never waits for another checkpoint), then copy the rest.
+                let _running = lock(&hook_gate);
+                let _ = wal.checkpoint_v2(CheckpointMode::PASSIVE);
+            } else if frames >= WRITER_CHECKPOINT_FRAMES
+                && let Some(_running) = try_lock(&hook_gate)
+            {
+                // It copies only what the thread has not. The thread checkpointing (or
+                // another process: busy): the next commit tries again.
+                let _ = wal.checkpoint_v2(CheckpointMode::PASSIVE);
             } else if frames - woken_at >= CHECKPOINT_FRAMES {
                 woken_at = frames;
                 match hook_wake.try_send(()) {
@@ -82,23 +107,43 @@ impl Checkpointer {
             }
             Ok(())
         };
+        open_wal(&conn).map_err(|e| failed(e.to_string()))?;
         writer.wal_hook(Some(hook)).map_err(|e| failed(e.to_string()))?;
         let (done, stop) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
         let (counter, stopped) = (done.clone(), stop.clone());
+        let copied = Arc::new(AtomicU64::new(0));
+        let thread_copied = copied.clone();
         let thread = std::thread::Builder::new()
             .name("sagabox-checkpoint".into())
             .spawn(move || {
+                let mut backfilled = 0;
                 while woken.recv().is_ok() && !stopped.load(Ordering::Relaxed) {
-                    checkpoint(&conn, &counter, &db);
+                    let copied = {
+                        let _running = lock(&gate);
+                        checkpoint(&conn, &db)
+                    };
+                    if let Some(now) = copied {
+                        counter.fetch_add(1, Ordering::Relaxed);
+                        // Backfilled frames count from the WAL's start: fewer than before, it
+                        // started over since.
+                        let new = if now >= backfilled { now - backfilled } else { now };
+                        thread_copied.fetch_add(new, Ordering::Relaxed);
+                        backfilled = now;
+                    }
                 }
             })
             .map_err(|e| failed(format!("cannot start the checkpointing thread: {e}")))?;
-        Ok(Checkpointer { wake, stop, thread: Some(thread), done, appended })
+        Ok(Checkpointer { wake, stop, thread: Some(thread), done, appended, copied })
     }
 
     /// Checkpoints the thread made so far.
     pub(super) fn checkpoints(&self) -> u64 {
         self.done.load(Ordering::Relaxed)
+    }
+
+    /// WAL frames the thread's checkpoints copied into the database so far.
+    pub(super) fn frames_copied(&self) -> u64 {
+        self.copied.load(Ordering::Relaxed)
     }
 
     /// Pages the writer's commits appended to the WAL so far: what a commit costs in writes.
@@ -107,15 +152,31 @@ impl Checkpointer {
     }
 }
 
-fn checkpoint(conn: &Connection, done: &AtomicU64, db: &str) {
+/// Checkpoints what the WAL holds, without waiting for readers or the writer; returns the
+/// frames backfilled so far, counted from the WAL's start, or `None` if it could not run.
+fn checkpoint(conn: &Connection, db: &str) -> Option<u64> {
     match conn.wal_checkpoint_v2(Some("main"), CheckpointMode::PASSIVE) {
+        Ok((_, backfilled)) if backfilled >= 0 => Some(backfilled as u64),
+        // SQLite opens a connection's WAL at its first read, and until then a checkpoint
+        // does nothing and reports success with no frames (-1): read, and go on next time.
         Ok(_) => {
-            done.fetch_add(1, Ordering::Relaxed);
+            if let Err(e) = open_wal(conn) {
+                tracing::warn!("database {db}: cannot read it to checkpoint its WAL: {e}");
+            }
+            None
         }
         // Another connection (another process's thread) is checkpointing.
-        Err(e) if e.sqlite_error_code() == Some(ErrorCode::DatabaseBusy) => {}
-        Err(e) => tracing::warn!("database {db}: a checkpoint failed (the next commit asks again): {e}"),
+        Err(e) if e.sqlite_error_code() == Some(ErrorCode::DatabaseBusy) => None,
+        Err(e) => {
+            tracing::warn!("database {db}: a checkpoint failed (the next commit asks again): {e}");
+            None
+        }
     }
+}
+
+/// Makes `conn` open the database's WAL, which it does at its first read.
+fn open_wal(conn: &Connection) -> rusqlite::Result<()> {
+    conn.query_row("SELECT count(*) FROM sqlite_schema", [], |_| Ok(()))
 }
 
 impl Drop for Checkpointer {
@@ -155,10 +216,13 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert!(checkpointer.checkpoints() > 0, "the thread made no checkpoint");
+        // A checkpoint on a connection that has not yet read the database does nothing and
+        // still succeeds: SQLite opens a connection's WAL at its first read.
+        assert!(checkpointer.frames_copied() > 0, "the thread's checkpoints copied nothing");
         // A WAL is overwritten from its start, not shrunk: its length is the most it held.
         let wal = std::fs::metadata(dir.path().join("db.sqlite-wal")).unwrap().len();
         let page = 4096 + 24;
-        let most = (WRITER_CHECKPOINT_FRAMES + CHECKPOINT_FRAMES) as u64 * page;
+        let most = (MOST_FRAMES + 20) as u64 * page;
         assert!(wal <= most, "the WAL grew to {wal} bytes ({} pages)", wal / page);
         // Each commit writes its row's ten overflow pages, its leaf, and now and then more,
         // however often the WAL started over.
