@@ -978,6 +978,12 @@ impl SqliteBackend {
     pub fn wal_pages_checkpointed(&self) -> u64 {
         self.checkpointer.frames_copied()
     }
+
+    /// The most WAL pages one checkpoint on the commits' path copied so far (its commit and
+    /// the runs' waiting for it), short of the WAL's bound.
+    pub fn most_wal_pages_checkpointed_by_writer(&self) -> u64 {
+        self.checkpointer.most_copied_by_writer()
+    }
 }
 
 #[cfg(test)]

@@ -174,13 +174,14 @@ pub async fn run(
         let run = concurrent_ct1(runtime, &db, sagas_dir, (sagas / 4).max(640), 64).await?;
         out.rates.push((
             format!(
-                "durable ct1 sagas/s, 64 in flight, one process, {} ({:.1} journal records per transaction, {:.1} WAL pages per saga, writer busy {:.0} % of the time, {} checkpoints off the commits' path copying {:.0} % of the WAL pages, journal {} bytes/saga)",
+                "durable ct1 sagas/s, 64 in flight, one process, {} ({:.1} journal records per transaction, {:.1} WAL pages per saga, writer busy {:.0} % of the time, {} checkpoints off the commits' path copying {:.0} % of the WAL pages, at most {} pages copied on it, journal {} bytes/saga)",
                 db.label(),
                 run.records_per_transaction,
                 run.wal_pages,
                 run.writer_busy * 100.0,
                 run.checkpoints,
                 run.checkpointed * 100.0,
+                run.most_on_commit_path,
                 run.journal_bytes
             ),
             run.rate,
@@ -353,6 +354,8 @@ struct Concurrent {
     /// The share of the WAL pages appended that those checkpoints copied (the writer copied
     /// the rest itself, its runs' commits waiting).
     checkpointed: f64,
+    /// The most pages one of the writer's own checkpoints copied.
+    most_on_commit_path: u64,
     /// Per saga: what says whether whole runs were timed.
     journal_bytes: u64,
 }
@@ -416,6 +419,7 @@ async fn concurrent_ct1(
         checkpoints: backend.checkpoints(),
         checkpointed: (backend.wal_pages_checkpointed() - checkpointed_before) as f64
             / (backend.wal_pages_written() - pages_before).max(1) as f64,
+        most_on_commit_path: backend.most_wal_pages_checkpointed_by_writer(),
         journal_bytes: bytes / runs.len().max(1) as u64,
     })
 }
