@@ -228,24 +228,50 @@ impl Drop for Checkpointer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
     use std::time::{Duration, Instant};
 
-    #[test]
-    fn the_thread_checkpoints_and_a_writer_without_pause_keeps_the_wal_bounded() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("db.sqlite");
+    /// Size of a WAL frame: a page and its header.
+    const FRAME: u64 = 4096 + 24;
+
+    /// A WAL database of one table in `dir`, its writing connection, and a checkpointer.
+    fn wal_database(dir: &Path) -> (Connection, Checkpointer) {
+        let path = dir.join("db.sqlite");
         let mut writer = Connection::open(&path).unwrap();
         writer.pragma_update(None, "journal_mode", "WAL").unwrap();
         writer.pragma_update(None, "synchronous", "OFF").unwrap();
         writer.execute_batch("CREATE TABLE t (n INTEGER PRIMARY KEY, body BLOB)").unwrap();
         let checkpointer = Checkpointer::start(Connection::open(&path).unwrap(), &mut writer, "test".into()).unwrap();
-        // 40 KB a commit: about ten pages. Four times as many pages as the writer lets the
-        // WAL hold, committed back to back.
+        (writer, checkpointer)
+    }
+
+    /// Commits `commits` rows of 40 KB (about ten pages each), pausing `pause` after each.
+    fn commit_rows(writer: &Connection, commits: c_int, pause: Option<Duration>) {
         let body = vec![7u8; 40_000];
-        let commits = 4 * WRITER_CHECKPOINT_FRAMES / 10;
         for n in 0..commits {
             writer.execute("INSERT INTO t VALUES (?1, ?2)", rusqlite::params![n, body]).unwrap();
+            if let Some(pause) = pause {
+                std::thread::sleep(pause);
+            }
         }
+    }
+
+    /// The most frames the WAL in `dir` held: it is overwritten from its start, not shrunk.
+    fn most_wal_frames(dir: &Path) -> u64 {
+        std::fs::metadata(dir.join("db.sqlite-wal")).unwrap().len() / FRAME
+    }
+
+    fn rows(writer: &Connection) -> c_int {
+        writer.query_row("SELECT count(*) FROM t", [], |r| r.get(0)).unwrap()
+    }
+
+    #[test]
+    fn the_thread_checkpoints_and_a_writer_without_pause_keeps_the_wal_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let (writer, checkpointer) = wal_database(dir.path());
+        // Four times as many pages as the writer lets the WAL hold, committed back to back.
+        let commits = 4 * WRITER_CHECKPOINT_FRAMES / 10;
+        commit_rows(&writer, commits, None);
         let started = Instant::now();
         while checkpointer.checkpoints() == 0 && started.elapsed() < Duration::from_secs(60) {
             std::thread::sleep(Duration::from_millis(10));
@@ -254,49 +280,34 @@ mod tests {
         // A checkpoint on a connection that has not yet read the database does nothing and
         // still succeeds: SQLite opens a connection's WAL at its first read.
         assert!(checkpointer.frames_copied() > 0, "the thread's checkpoints copied nothing");
-        // A WAL is overwritten from its start, not shrunk: its length is the most it held.
-        let wal = std::fs::metadata(dir.path().join("db.sqlite-wal")).unwrap().len();
-        let page = 4096 + 24;
-        let most = (MOST_FRAMES + 20) as u64 * page;
-        assert!(wal <= most, "the WAL grew to {wal} bytes ({} pages)", wal / page);
+        let most = most_wal_frames(dir.path());
+        assert!(most <= (MOST_FRAMES + 20) as u64, "the WAL grew to {most} pages");
         // Each commit writes its row's ten overflow pages, its leaf, and now and then more,
         // however often the WAL started over.
         let appended = checkpointer.pages_appended();
         let expected = 11 * commits as u64..=14 * commits as u64;
         assert!(expected.contains(&appended), "{appended} pages counted for {commits} commits");
         drop(checkpointer);
-        let rows: i64 = writer.query_row("SELECT count(*) FROM t", [], |r| r.get(0)).unwrap();
-        assert_eq!(rows, commits as i64);
+        assert_eq!(rows(&writer), commits);
     }
 
     #[test]
     fn the_writers_own_checkpoints_copy_only_a_short_tail() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("db.sqlite");
-        let mut writer = Connection::open(&path).unwrap();
-        writer.pragma_update(None, "journal_mode", "WAL").unwrap();
-        writer.pragma_update(None, "synchronous", "OFF").unwrap();
-        writer.execute_batch("CREATE TABLE t (n INTEGER PRIMARY KEY, body BLOB)").unwrap();
-        let checkpointer = Checkpointer::start(Connection::open(&path).unwrap(), &mut writer, "test".into()).unwrap();
-        // About ten pages a commit, with a pause as a real writer's work between commits
-        // makes: three times the writer's threshold.
-        let body = vec![7u8; 40_000];
+        let (writer, checkpointer) = wal_database(dir.path());
+        // A pause between commits, as a real writer's work makes: three times the writer's
+        // threshold.
         let commits = 3 * WRITER_CHECKPOINT_FRAMES / 10;
-        for n in 0..commits {
-            writer.execute("INSERT INTO t VALUES (?1, ?2)", rusqlite::params![n, body]).unwrap();
-            std::thread::sleep(Duration::from_micros(500));
-        }
+        commit_rows(&writer, commits, Some(Duration::from_micros(500)));
         // Every run's commit waits for a checkpoint the writer makes itself. Past its
         // threshold it makes one only once the thread caught up to a short tail (or the
         // thread restarted the WAL and it needs none); before, it checkpointed at once,
         // copying the 1,000 pages or so since the thread's last checkpoint.
         let most = checkpointer.most_copied_by_writer();
         assert!(most <= SHORT_TAIL as u64, "a checkpoint of the writer copied {most} pages");
-        let wal = std::fs::metadata(dir.path().join("db.sqlite-wal")).unwrap().len();
-        let page = 4096 + 24;
-        assert!(wal <= (MOST_FRAMES + 20) as u64 * page, "the WAL grew to {} pages", wal / page);
+        let most = most_wal_frames(dir.path());
+        assert!(most <= (MOST_FRAMES + 20) as u64, "the WAL grew to {most} pages");
         drop(checkpointer);
-        let rows: i64 = writer.query_row("SELECT count(*) FROM t", [], |r| r.get(0)).unwrap();
-        assert_eq!(rows, commits as i64);
+        assert_eq!(rows(&writer), commits);
     }
 }
