@@ -984,6 +984,11 @@ impl SqliteBackend {
     pub fn most_wal_pages_checkpointed_by_writer(&self) -> u64 {
         self.checkpointer.most_copied_by_writer()
     }
+
+    /// Times a commit waited for the checkpoint thread at the WAL's bound (16,000 pages) so far.
+    pub fn checkpoint_waits_at_bound(&self) -> u64 {
+        self.checkpointer.waits_at_bound()
+    }
 }
 
 #[cfg(test)]

@@ -174,7 +174,7 @@ pub async fn run(
         let run = concurrent_ct1(runtime, &db, sagas_dir, (sagas / 4).max(640), 64).await?;
         out.rates.push((
             format!(
-                "durable ct1 sagas/s, 64 in flight, one process, {} ({:.1} journal records per transaction, {:.1} WAL pages per saga, writer busy {:.0} % of the time, {} checkpoints off the commits' path copying {:.0} % of the WAL pages, at most {} pages copied on it, journal {} bytes/saga)",
+                "durable ct1 sagas/s, 64 in flight, one process, {} ({:.1} journal records per transaction, {:.1} WAL pages per saga, writer busy {:.0} % of the time, {} checkpoints off the commits' path copying about {:.0} % of the WAL pages, at most {} pages copied on it and {} waits for the thread, journal {} bytes/saga)",
                 db.label(),
                 run.records_per_transaction,
                 run.wal_pages,
@@ -182,6 +182,7 @@ pub async fn run(
                 run.checkpoints,
                 run.checkpointed * 100.0,
                 run.most_on_commit_path,
+                run.waits_at_bound,
                 run.journal_bytes
             ),
             run.rate,
@@ -356,6 +357,8 @@ struct Concurrent {
     checkpointed: f64,
     /// The most pages one of the writer's own checkpoints copied.
     most_on_commit_path: u64,
+    /// Times a commit waited for the thread's checkpoint at the WAL's bound.
+    waits_at_bound: u64,
     /// Per saga: what says whether whole runs were timed.
     journal_bytes: u64,
 }
@@ -420,6 +423,7 @@ async fn concurrent_ct1(
         checkpointed: (backend.wal_pages_checkpointed() - checkpointed_before) as f64
             / (backend.wal_pages_written() - pages_before).max(1) as f64,
         most_on_commit_path: backend.most_wal_pages_checkpointed_by_writer(),
+        waits_at_bound: backend.checkpoint_waits_at_bound(),
         journal_bytes: bytes / runs.len().max(1) as u64,
     })
 }

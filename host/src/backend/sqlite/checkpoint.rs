@@ -62,6 +62,8 @@ pub(super) struct Checkpointer {
     copied: Arc<AtomicU64>,
     /// The most WAL frames one of the writer's own checkpoints copied, below [`MOST_FRAMES`].
     by_writer: Arc<AtomicU64>,
+    /// Times the writer waited for the thread's checkpoint at [`MOST_FRAMES`].
+    waits: Arc<AtomicU64>,
 }
 
 impl Checkpointer {
@@ -82,6 +84,8 @@ impl Checkpointer {
         let hook_caught_up = caught_up.clone();
         let by_writer = Arc::new(AtomicU64::new(0));
         let writer_copied = by_writer.clone();
+        let waits = Arc::new(AtomicU64::new(0));
+        let hook_waits = waits.clone();
         // The WAL's length when the thread was last woken: it is woken again once as many
         // pages more were written, not at every commit past the threshold.
         let mut woken_at = 0;
@@ -103,6 +107,7 @@ impl Checkpointer {
             if frames >= MOST_FRAMES {
                 // The thread's checkpoint ran for as long as the WAL took to double: wait for
                 // it to end (SQLite never waits for another checkpoint), then copy the rest.
+                hook_waits.fetch_add(1, Ordering::Relaxed);
                 let _running = lock(&hook_gate);
                 let _ = wal.checkpoint_v2(CheckpointMode::PASSIVE);
             } else if frames >= WRITER_CHECKPOINT_FRAMES {
@@ -110,17 +115,16 @@ impl Checkpointer {
                 // over (then the thread has copied nothing of it that the writer knows of).
                 let caught_up = hook_caught_up.load(Ordering::Relaxed);
                 let backfilled = if caught_up <= frames as u64 { caught_up as c_int } else { 0 };
-                if frames - backfilled <= SHORT_TAIL
-                    && let Some(_running) = try_lock(&hook_gate)
-                {
+                if frames - backfilled > SHORT_TAIL {
+                    // The thread catches up first, at once and again, until the tail is short.
+                    ask_for_checkpoint(&hook_wake);
+                } else if let Some(_running) = try_lock(&hook_gate) {
                     // Copies only the tail the thread has not (busy, another process
-                    // checkpointing: the next commit tries again).
+                    // checkpointing: the next commit tries again). The thread checkpointing:
+                    // it may well copy all, and the next commit tries again.
                     if let Ok((_, now)) = wal.checkpoint_v2(CheckpointMode::PASSIVE) {
                         writer_copied.fetch_max(now.saturating_sub(backfilled) as u64, Ordering::Relaxed);
                     }
-                } else {
-                    // The thread catches up first, at once and again, until the tail is short.
-                    ask_for_checkpoint(&hook_wake);
                 }
             } else if frames - woken_at >= CHECKPOINT_FRAMES {
                 woken_at = frames;
@@ -138,24 +142,44 @@ impl Checkpointer {
             .name("sagabox-checkpoint".into())
             .spawn(move || {
                 let mut backfilled = 0;
+                // The previous checkpoint found no WAL, and the connection read since.
+                let mut read_for_wal = false;
                 while woken.recv().is_ok() && !stopped.load(Ordering::Relaxed) {
-                    let copied = {
+                    let outcome = {
                         let _running = lock(&gate);
                         checkpoint(&conn, &db)
                     };
-                    if let Some(now) = copied {
-                        counter.fetch_add(1, Ordering::Relaxed);
-                        // Backfilled frames count from the WAL's start: fewer than before, it
-                        // started over since.
-                        let new = if now >= backfilled { now - backfilled } else { now };
-                        thread_copied.fetch_add(new, Ordering::Relaxed);
-                        caught_up.store(now, Ordering::Relaxed);
-                        backfilled = now;
-                    }
+                    read_for_wal = match outcome {
+                        Checkpoint::Ran(now) => {
+                            // Backfilled frames count from the WAL's start: fewer than
+                            // before, it started over since.
+                            let new = if now >= backfilled { now - backfilled } else { now };
+                            thread_copied.fetch_add(new, Ordering::Relaxed);
+                            caught_up.store(now, Ordering::Relaxed);
+                            counter.fetch_add(1, Ordering::Relaxed);
+                            backfilled = now;
+                            false
+                        }
+                        // Read (outside the lock: a read may wait for another process), and go
+                        // on at the next wake-up.
+                        Checkpoint::NoWal => {
+                            if read_for_wal {
+                                tracing::warn!("database {db}: its WAL is not open to checkpoint, even after a read");
+                            }
+                            match open_wal(&conn) {
+                                Ok(()) => true,
+                                Err(e) => {
+                                    tracing::warn!("database {db}: cannot read it to checkpoint its WAL: {e}");
+                                    false
+                                }
+                            }
+                        }
+                        Checkpoint::NotRun => read_for_wal,
+                    };
                 }
             })
             .map_err(|e| failed(format!("cannot start the checkpointing thread: {e}")))?;
-        Ok(Checkpointer { wake, stop, thread: Some(thread), done, appended, copied, by_writer })
+        Ok(Checkpointer { wake, stop, thread: Some(thread), done, appended, copied, by_writer, waits })
     }
 
     /// Checkpoints the thread made so far.
@@ -173,30 +197,37 @@ impl Checkpointer {
         self.by_writer.load(Ordering::Relaxed)
     }
 
+    /// Times the writer waited for the thread's checkpoint at the WAL's bound so far.
+    pub(super) fn waits_at_bound(&self) -> u64 {
+        self.waits.load(Ordering::Relaxed)
+    }
+
     /// Pages the writer's commits appended to the WAL so far: what a commit costs in writes.
     pub(super) fn pages_appended(&self) -> u64 {
         self.appended.load(Ordering::Relaxed)
     }
 }
 
-/// Checkpoints what the WAL holds, without waiting for readers or the writer; returns the
-/// frames backfilled so far, counted from the WAL's start, or `None` if it could not run.
-fn checkpoint(conn: &Connection, db: &str) -> Option<u64> {
+/// What a checkpoint of the thread did.
+enum Checkpoint {
+    /// It ran: the frames backfilled so far, counted from the WAL's start.
+    Ran(u64),
+    /// The connection has not opened the WAL: SQLite opens it at the connection's first
+    /// read, and until then a checkpoint does nothing and reports success with −1 frames.
+    NoWal,
+    /// Busy (another process checkpointing) or failed (logged).
+    NotRun,
+}
+
+/// Checkpoints what the WAL holds, without waiting for readers or the writer.
+fn checkpoint(conn: &Connection, db: &str) -> Checkpoint {
     match conn.wal_checkpoint_v2(Some("main"), CheckpointMode::PASSIVE) {
-        Ok((_, backfilled)) if backfilled >= 0 => Some(backfilled as u64),
-        // SQLite opens a connection's WAL at its first read, and until then a checkpoint
-        // does nothing and reports success with no frames (-1): read, and go on next time.
-        Ok(_) => {
-            if let Err(e) = open_wal(conn) {
-                tracing::warn!("database {db}: cannot read it to checkpoint its WAL: {e}");
-            }
-            None
-        }
-        // Another connection (another process's thread) is checkpointing.
-        Err(e) if e.sqlite_error_code() == Some(ErrorCode::DatabaseBusy) => None,
+        Ok((_, backfilled)) if backfilled >= 0 => Checkpoint::Ran(backfilled as u64),
+        Ok(_) => Checkpoint::NoWal,
+        Err(e) if e.sqlite_error_code() == Some(ErrorCode::DatabaseBusy) => Checkpoint::NotRun,
         Err(e) => {
             tracing::warn!("database {db}: a checkpoint failed (the next commit asks again): {e}");
-            None
+            Checkpoint::NotRun
         }
     }
 }
