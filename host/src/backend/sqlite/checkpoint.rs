@@ -54,16 +54,26 @@ pub(super) struct Checkpointer {
     wake: SyncSender<()>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
+    shared: Arc<Shared>,
+}
+
+/// What the writer's WAL hook and the thread share.
+#[derive(Default)]
+struct Shared {
+    /// Held by whoever of the thread and the writer checkpoints.
+    gate: Mutex<()>,
+    /// Frames backfilled as of the thread's last checkpoint, counted from the WAL's start.
+    caught_up: AtomicU64,
     /// Checkpoints the thread made.
-    done: Arc<AtomicU64>,
-    /// Pages the writer's commits appended to the WAL.
-    appended: Arc<AtomicU64>,
+    checkpoints: AtomicU64,
     /// WAL frames the thread's checkpoints copied into the database.
-    copied: Arc<AtomicU64>,
+    copied: AtomicU64,
+    /// Pages the writer's commits appended to the WAL.
+    appended: AtomicU64,
     /// The most WAL frames one of the writer's own checkpoints copied, below [`MOST_FRAMES`].
-    by_writer: Arc<AtomicU64>,
+    most_by_writer: AtomicU64,
     /// Times the writer waited for the thread's checkpoint at [`MOST_FRAMES`].
-    waits: Arc<AtomicU64>,
+    waits_at_bound: AtomicU64,
 }
 
 impl Checkpointer {
@@ -75,136 +85,135 @@ impl Checkpointer {
         let failed = move |error: String| DbError { db: name.clone(), error };
         // One wake-up pending at most: commits during a checkpoint ask for one more, not many.
         let (wake, woken) = std::sync::mpsc::sync_channel(1);
-        let hook_wake = wake.clone();
-        // Held by whoever of the thread and the writer checkpoints.
-        let gate = Arc::new(Mutex::new(()));
-        let hook_gate = gate.clone();
-        // Frames backfilled as of the thread's last checkpoint.
-        let caught_up = Arc::new(AtomicU64::new(0));
-        let hook_caught_up = caught_up.clone();
-        let by_writer = Arc::new(AtomicU64::new(0));
-        let writer_copied = by_writer.clone();
-        let waits = Arc::new(AtomicU64::new(0));
-        let hook_waits = waits.clone();
-        // The WAL's length when the thread was last woken: it is woken again once as many
-        // pages more were written, not at every commit past the threshold.
-        let mut woken_at = 0;
-        // The WAL's length after the previous commit.
-        let mut length = 0;
-        let appended = Arc::new(AtomicU64::new(0));
-        let pages = appended.clone();
-        // Replaces SQLite's automatic checkpoints, which are this same hook.
-        let hook = move |wal: &mut Wal, frames: c_int| {
-            // A commit that started the WAL over wrote all of it (one that found it shorter
-            // than the pages it appends is counted short: the WAL restarts only past a
-            // checkpoint of 1,000 pages, and a commit writes far fewer).
-            let started_over = frames < length;
-            pages.fetch_add((if started_over { frames } else { frames - length }) as u64, Ordering::Relaxed);
-            length = frames;
-            if started_over {
-                woken_at = 0;
-            }
-            if frames >= MOST_FRAMES {
-                // The thread's checkpoint ran for as long as the WAL took to double: wait for
-                // it to end (SQLite never waits for another checkpoint), then copy the rest.
-                hook_waits.fetch_add(1, Ordering::Relaxed);
-                let _running = lock(&hook_gate);
-                let _ = wal.checkpoint_v2(CheckpointMode::PASSIVE);
-            } else if frames >= WRITER_CHECKPOINT_FRAMES {
-                // Counted from the WAL's start; more than it holds: counted before it started
-                // over (then the thread has copied nothing of it that the writer knows of).
-                let caught_up = hook_caught_up.load(Ordering::Relaxed);
-                let backfilled = if caught_up <= frames as u64 { caught_up as c_int } else { 0 };
-                if frames - backfilled > SHORT_TAIL {
-                    // The thread catches up first, at once and again, until the tail is short.
-                    ask_for_checkpoint(&hook_wake);
-                } else if let Some(_running) = try_lock(&hook_gate) {
-                    // Copies only the tail the thread has not (busy, another process
-                    // checkpointing: the next commit tries again). The thread checkpointing:
-                    // it may well copy all, and the next commit tries again.
-                    if let Ok((_, now)) = wal.checkpoint_v2(CheckpointMode::PASSIVE) {
-                        writer_copied.fetch_max(now.saturating_sub(backfilled) as u64, Ordering::Relaxed);
-                    }
-                }
-            } else if frames - woken_at >= CHECKPOINT_FRAMES {
-                woken_at = frames;
-                ask_for_checkpoint(&hook_wake);
-            }
-            Ok(())
-        };
+        let shared = Arc::new(Shared::default());
         open_wal(&conn).map_err(|e| failed(e.to_string()))?;
-        writer.wal_hook(Some(hook)).map_err(|e| failed(e.to_string()))?;
-        let (done, stop) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
-        let (counter, stopped) = (done.clone(), stop.clone());
-        let copied = Arc::new(AtomicU64::new(0));
-        let thread_copied = copied.clone();
+        writer.wal_hook(Some(wal_hook(shared.clone(), wake.clone()))).map_err(|e| failed(e.to_string()))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (thread_shared, stopped) = (shared.clone(), stop.clone());
         let thread = std::thread::Builder::new()
             .name("sagabox-checkpoint".into())
-            .spawn(move || {
-                let mut backfilled = 0;
-                // The previous checkpoint found no WAL, and the connection read since.
-                let mut read_for_wal = false;
-                while woken.recv().is_ok() && !stopped.load(Ordering::Relaxed) {
-                    let outcome = {
-                        let _running = lock(&gate);
-                        checkpoint(&conn, &db)
-                    };
-                    read_for_wal = match outcome {
-                        Checkpoint::Ran(now) => {
-                            // Backfilled frames count from the WAL's start: fewer than
-                            // before, it started over since.
-                            let new = if now >= backfilled { now - backfilled } else { now };
-                            thread_copied.fetch_add(new, Ordering::Relaxed);
-                            caught_up.store(now, Ordering::Relaxed);
-                            counter.fetch_add(1, Ordering::Relaxed);
-                            backfilled = now;
-                            false
-                        }
-                        // Read (outside the lock: a read may wait for another process), and go
-                        // on at the next wake-up.
-                        Checkpoint::NoWal => {
-                            if read_for_wal {
-                                tracing::warn!("database {db}: its WAL is not open to checkpoint, even after a read");
-                            }
-                            match open_wal(&conn) {
-                                Ok(()) => true,
-                                Err(e) => {
-                                    tracing::warn!("database {db}: cannot read it to checkpoint its WAL: {e}");
-                                    false
-                                }
-                            }
-                        }
-                        Checkpoint::NotRun => read_for_wal,
-                    };
-                }
-            })
+            .spawn(move || checkpoint_when_asked(&conn, &db, &woken, &stopped, &thread_shared))
             .map_err(|e| failed(format!("cannot start the checkpointing thread: {e}")))?;
-        Ok(Checkpointer { wake, stop, thread: Some(thread), done, appended, copied, by_writer, waits })
+        Ok(Checkpointer { wake, stop, thread: Some(thread), shared })
     }
 
     /// Checkpoints the thread made so far.
     pub(super) fn checkpoints(&self) -> u64 {
-        self.done.load(Ordering::Relaxed)
+        self.shared.checkpoints.load(Ordering::Relaxed)
     }
 
     /// WAL frames the thread's checkpoints copied into the database so far.
     pub(super) fn frames_copied(&self) -> u64 {
-        self.copied.load(Ordering::Relaxed)
+        self.shared.copied.load(Ordering::Relaxed)
     }
 
     /// The most WAL frames one of the writer's own checkpoints copied (below [`MOST_FRAMES`]).
     pub(super) fn most_copied_by_writer(&self) -> u64 {
-        self.by_writer.load(Ordering::Relaxed)
+        self.shared.most_by_writer.load(Ordering::Relaxed)
     }
 
     /// Times the writer waited for the thread's checkpoint at the WAL's bound so far.
     pub(super) fn waits_at_bound(&self) -> u64 {
-        self.waits.load(Ordering::Relaxed)
+        self.shared.waits_at_bound.load(Ordering::Relaxed)
     }
 
     /// Pages the writer's commits appended to the WAL so far: what a commit costs in writes.
     pub(super) fn pages_appended(&self) -> u64 {
-        self.appended.load(Ordering::Relaxed)
+        self.shared.appended.load(Ordering::Relaxed)
+    }
+}
+
+/// The writer's WAL hook, which replaces SQLite's automatic checkpoints (that same hook):
+/// it counts the pages each commit appended, wakes the thread every [`CHECKPOINT_FRAMES`],
+/// and past [`WRITER_CHECKPOINT_FRAMES`] has the WAL start over.
+fn wal_hook(shared: Arc<Shared>, thread: SyncSender<()>) -> impl FnMut(&mut Wal, c_int) -> rusqlite::Result<()> {
+    // The WAL's length when the thread was last woken: it is woken again once as many pages
+    // more were written, not at every commit past the threshold.
+    let mut woken_at = 0;
+    // The WAL's length after the previous commit.
+    let mut length = 0;
+    move |wal: &mut Wal, frames: c_int| {
+        // A commit that started the WAL over wrote all of it (one that found it shorter than
+        // the pages it appends is counted short: the WAL restarts only past a checkpoint of
+        // 1,000 pages, and a commit writes far fewer).
+        let started_over = frames < length;
+        let appended = if started_over { frames } else { frames - length };
+        shared.appended.fetch_add(appended as u64, Ordering::Relaxed);
+        length = frames;
+        if started_over {
+            woken_at = 0;
+        }
+        if frames >= MOST_FRAMES {
+            // The thread's checkpoint ran for as long as the WAL took to double: wait for it
+            // to end (SQLite never waits for another checkpoint), then copy the rest.
+            shared.waits_at_bound.fetch_add(1, Ordering::Relaxed);
+            let _running = lock(&shared.gate);
+            let _ = wal.checkpoint_v2(CheckpointMode::PASSIVE);
+        } else if frames >= WRITER_CHECKPOINT_FRAMES {
+            // More than the WAL holds: counted before it started over (then the thread has
+            // copied nothing of it that the writer knows of).
+            let caught_up = shared.caught_up.load(Ordering::Relaxed);
+            let backfilled = if caught_up <= frames as u64 { caught_up as c_int } else { 0 };
+            if frames - backfilled > SHORT_TAIL {
+                // The thread catches up first, at once and again, until the tail is short.
+                ask_for_checkpoint(&thread);
+            } else if let Some(_running) = try_lock(&shared.gate) {
+                // Copies only the tail the thread has not (busy, another process
+                // checkpointing: the next commit tries again). The thread checkpointing: it
+                // may well copy all, and the next commit tries again.
+                if let Ok((_, now)) = wal.checkpoint_v2(CheckpointMode::PASSIVE) {
+                    let copied = now.saturating_sub(backfilled) as u64;
+                    shared.most_by_writer.fetch_max(copied, Ordering::Relaxed);
+                }
+            }
+        } else if frames - woken_at >= CHECKPOINT_FRAMES {
+            woken_at = frames;
+            ask_for_checkpoint(&thread);
+        }
+        Ok(())
+    }
+}
+
+/// The thread: a checkpoint each time it is asked, until `stopped` or the writer is gone.
+fn checkpoint_when_asked(
+    conn: &Connection,
+    db: &str,
+    woken: &std::sync::mpsc::Receiver<()>,
+    stopped: &AtomicBool,
+    shared: &Shared,
+) {
+    // The previous checkpoint found no WAL, and the connection read since.
+    let mut read_for_wal = false;
+    while woken.recv().is_ok() && !stopped.load(Ordering::Relaxed) {
+        let outcome = {
+            let _running = lock(&shared.gate);
+            checkpoint(conn, db)
+        };
+        read_for_wal = match outcome {
+            Checkpoint::Ran(now) => {
+                // Fewer than before: the WAL started over since.
+                let before = shared.caught_up.swap(now, Ordering::Relaxed);
+                let new = if now >= before { now - before } else { now };
+                shared.copied.fetch_add(new, Ordering::Relaxed);
+                shared.checkpoints.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+            // Read (outside the lock: a read may wait for another process), and go on at the
+            // next wake-up.
+            Checkpoint::NoWal => {
+                if read_for_wal {
+                    tracing::warn!("database {db}: its WAL is not open to checkpoint, even after a read");
+                }
+                match open_wal(conn) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::warn!("database {db}: cannot read it to checkpoint its WAL: {e}");
+                        false
+                    }
+                }
+            }
+            Checkpoint::NotRun => read_for_wal,
+        };
     }
 }
 
