@@ -16,9 +16,10 @@
 //!
 //! A WAL starts over from its beginning only when a write transaction begins after a
 //! checkpoint copied every page, so a writer that never pauses would let it grow without
-//! bound: past [`WRITER_CHECKPOINT_FRAMES`] the writing connection checkpoints itself, which
-//! then copies only what the thread has not; while the thread is checkpointing, the writer
-//! does not wait for it, up to [`MOST_FRAMES`].
+//! bound: past [`WRITER_CHECKPOINT_FRAMES`] each commit asks the thread again until it has
+//! copied all but [`SHORT_TAIL`] pages, and the writing connection then copies that tail
+//! itself when the thread is not checkpointing (the two share a lock: SQLite never waits for
+//! another checkpoint). Only at [`MOST_FRAMES`] does the writer wait for the thread.
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,8 +37,8 @@ use crate::sync::{lock, try_lock};
 /// WAL pages written between two of the thread's checkpoints (SQLite's own threshold).
 const CHECKPOINT_FRAMES: c_int = 1000;
 
-/// WAL pages at which the writing connection checkpoints itself (about 32 MB), unless the
-/// thread is checkpointing.
+/// WAL pages (about 32 MB) past which the WAL is made to start over: the thread is asked at
+/// every commit, and the writing connection copies the last [`SHORT_TAIL`] pages itself.
 const WRITER_CHECKPOINT_FRAMES: c_int = 8 * CHECKPOINT_FRAMES;
 
 /// WAL pages the writing connection copies itself past [`WRITER_CHECKPOINT_FRAMES`] at most
