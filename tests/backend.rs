@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-mod support;
+use crate::support;
 
 use sagabox::backend::{
     Backend, CommitError, Durability, MemoryBackend, PostgresBackend, RegisterError, RunRecord, SqliteBackend,

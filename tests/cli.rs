@@ -1,6 +1,6 @@
 //! The `sagabox` command line, run as a user runs it.
 
-mod support;
+use crate::support;
 
 use std::process::{Command, Output};
 

@@ -10,10 +10,10 @@
 //! queue while one of them is killed, or while their connections are terminated.
 //!
 //! The suite runs about 80 kill points per backend; `SAGABOX_CRASH_POINTS=1000 cargo test
-//! --release --test crash` runs 1,000 in the main harness and as many more, proportionally,
+//! --release --test end_to_end -- crash::` runs 1,000 in the main harness and as many more, proportionally,
 //! elsewhere.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

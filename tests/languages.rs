@@ -4,11 +4,10 @@
 //! `wasi:http`, which a default componentize-js build imports, reaches only granted hosts.
 //!
 //! The build and load times each test measures are printed on stderr
-//! (`cargo test --release --test languages -- --nocapture`).
+//! (`cargo test --release --test end_to_end -- languages:: --nocapture`).
 
-mod support;
-#[path = "support/toolchains.rs"]
-mod toolchains;
+use crate::support;
+use crate::support::toolchains;
 
 use std::io::{Read, Write};
 use std::net::TcpListener;

@@ -2,7 +2,7 @@
 //! the compile cache is verified before use, a guest cannot make the host hold unbounded
 //! memory through the store, loading has a budget, and one bad plugin does not stop the rest.
 
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 

@@ -2,7 +2,7 @@
 //! oversized messages, unknown methods and tools), and saga tools with progress. The MCP
 //! behaviour agents see is tested with the official Python SDK in `tests/serve.rs`.
 
-mod support;
+use crate::support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 
-/// `sagabox serve ARGS`, with this test binary's compile cache.
+/// `sagabox serve ARGS`, with the tests' shared compile cache.
 fn serve(args: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_sagabox"));
     command.arg("serve").args(args).env("SAGABOX_CACHE_DIR", support::shared_cache());

@@ -14,7 +14,7 @@
 //! `SAGABOX_MODEL_CASES=N` (or `PROPTEST_CASES=N`) sets the number of cases; see FUZZING.md
 //! for the long command.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;

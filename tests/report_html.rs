@@ -2,7 +2,7 @@
 //! (read from the DOM after it ran, by a probe script added to a copy of the page) and the
 //! pixels of a screenshot. Chromium is Debian's, installed by the first test that needs it.
 
-mod support;
+use crate::support;
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};

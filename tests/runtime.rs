@@ -1,7 +1,7 @@
 //! The plugin runtime through its public API: containment of hostile plugins, refusal of
 //! malformed ones, limits from policies and overrides, atomic writes, the compile cache.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! restores the state; undo and redo twice change nothing; time-outs, binding failures,
 //! failing compensators and DAGs behave.
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

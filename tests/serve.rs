@@ -6,7 +6,7 @@
 //! (`sagabox state --db F --digest`, `sagabox runs --db F --json`). The Python venvs are made
 //! on first use (tests/support/python.rs).
 
-mod support;
+use crate::support;
 
 use std::collections::BTreeSet;
 use std::net::{Ipv4Addr, TcpListener, TcpStream};

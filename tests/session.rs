@@ -2,7 +2,7 @@
 //! client drives), tested through the library. The MCP protocol itself is tested with the
 //! official Python SDK in `tests/serve.rs`.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;

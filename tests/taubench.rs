@@ -24,7 +24,7 @@
 //! write must replay its output without writing; at the end of a session all its writes are
 //! undone, newest first, which must restore the initial database.
 
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

@@ -1,6 +1,6 @@
 //! Verification campaigns: reproducible, complete, and able to catch a wrong compensator.
 
-mod support;
+use crate::support;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -3,6 +3,7 @@
 
 pub mod postgres;
 pub mod python;
+pub mod toolchains;
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -11,7 +12,7 @@ use sagabox::runtime::{Runtime, RuntimeOptions};
 use sagabox::store::State;
 use serde_json::{Value, json};
 
-/// A compile cache shared by the tests of one test binary, so only the first load compiles.
+/// A compile cache shared by the end-to-end tests, so only the first load of a plugin compiles.
 pub fn shared_cache() -> PathBuf {
     static DIR: OnceLock<tempfile::TempDir> = OnceLock::new();
     DIR.get_or_init(|| tempfile::tempdir().expect("temp dir")).path().to_path_buf()

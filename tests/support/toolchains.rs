@@ -1,5 +1,5 @@
 //! The plugin authors' toolchains, for the tests that build plugins in JavaScript, Python and
-//! Rust (tests/languages.rs, which includes this file as its module `toolchains`), each installed on first use at the version its example pins:
+//! Rust (tests/languages.rs), each installed on first use at the version its example pins:
 //!
 //! - JavaScript: `node` and `npm` (from Debian's `nodejs npm` when missing), and the
 //!   example's `package-lock.json` installed with `npm ci` into `target/npm-<lang>/`, built
@@ -59,7 +59,7 @@ fn target_dir() -> PathBuf {
 }
 
 /// Holds a file lock in `target/` while the toolchain of `name` is being installed, so that
-/// test binaries running at once install it once.
+/// tests, and test processes, running at once install it once.
 fn install_lock(name: &str) -> File {
     let target = target_dir();
     std::fs::create_dir_all(&target).unwrap_or_else(|e| panic!("cannot create {}: {e}", target.display()));
