@@ -653,6 +653,54 @@ mod postgres_server {
     }
 
     #[test]
+    fn a_server_out_of_connection_slots_is_waited_for_not_failed() {
+        // Many workers on one server can take every connection slot for a moment. A role
+        // limited to two connections stands in for a full server: the same refusal (53300,
+        // "too many connections") without starving the other tests of slots.
+        let schema = Schema::new("slots");
+        let role = "sagabox_t_two_slots";
+        execute(&format!(
+            "DO $$ BEGIN CREATE ROLE {role} LOGIN CONNECTION LIMIT 2;
+             EXCEPTION WHEN duplicate_object THEN NULL; END $$;
+             GRANT ALL ON SCHEMA {0} TO {role}",
+            schema.name
+        ));
+        let url = format!("{}&user={role}", schema.url);
+        let (held, release) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+        let holder = {
+            let (url, held) = (url.clone(), held.0);
+            std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+                runtime.block_on(async {
+                    let mut clients = Vec::new();
+                    for _ in 0..2 {
+                        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+                        tokio::spawn(connection);
+                        clients.push(client);
+                    }
+                    held.send(()).unwrap();
+                    // Both slots stay taken until the test lets them go.
+                    tokio::task::spawn_blocking(move || release.1.recv()).await.unwrap().ok();
+                    drop(clients);
+                })
+            })
+        };
+        held.1.recv().unwrap();
+        let opener = {
+            let url = url.clone();
+            std::thread::spawn(move || PostgresBackend::open(&url))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        assert!(!opener.is_finished(), "opened with every slot taken: {:?}", opener.join().unwrap().err());
+        release.0.send(()).unwrap();
+        holder.join().unwrap();
+        let db = opener.join().unwrap().unwrap_or_else(|e| panic!("a full server was not waited for: {e}"));
+        assert!(db.seed_if_new(&pools()).unwrap());
+        add(&db, 1);
+        assert_eq!(text(&db.current_state().unwrap(), "pools", "p").as_deref(), Some(r#"{"allocated":1}"#));
+    }
+
+    #[test]
     fn commits_go_on_after_the_server_terminates_every_connection() {
         let schema = Schema::new("terminate");
         let app = format!("{}_app", schema.name);

@@ -65,7 +65,7 @@ pub fn try_query(sql: &str) -> Result<Vec<String>, String> {
     let worker = std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
         runtime.block_on(async {
-            let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.map_err(|e| {
+            let (client, connection) = connect(&url).await.map_err(|e| {
                 format!(
                     "PostgreSQL is unreachable at {url}: {e}. These tests need a server: start one, or point \
                      SAGABOX_PG_URL at one (README, Testing)"
@@ -81,4 +81,26 @@ pub fn try_query(sql: &str) -> Result<Vec<String>, String> {
         })
     });
     worker.join().unwrap_or_else(|_| Err("the PostgreSQL helper thread panicked".into()))
+}
+
+/// A connection to `url`, waiting (up to a minute) while the server has no connection slot
+/// free: the tests' sagabox processes take and free many.
+async fn connect(
+    url: &str,
+) -> Result<
+    (tokio_postgres::Client, tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>),
+    tokio_postgres::Error,
+> {
+    let started = std::time::Instant::now();
+    loop {
+        match tokio_postgres::connect(url, tokio_postgres::NoTls).await {
+            Err(e)
+                if e.code() == Some(&tokio_postgres::error::SqlState::TOO_MANY_CONNECTIONS)
+                    && started.elapsed() < std::time::Duration::from_secs(60) =>
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            result => return result,
+        }
+    }
 }

@@ -112,6 +112,10 @@ const RUN_COLUMNS: &str =
 /// How many times a query is tried when its connection breaks, and the first pause.
 const ATTEMPTS: u32 = 6;
 const FIRST_PAUSE: Duration = Duration::from_millis(25);
+/// How long a new connection waits for the server to free a connection slot (as long as
+/// one waits for the pool), and the longest pause between its tries.
+const SLOT_WAIT: Duration = Duration::from_secs(60);
+const LONGEST_SLOT_PAUSE: Duration = Duration::from_millis(500);
 
 /// Whether `url` names a PostgreSQL database (rather than a SQLite file).
 pub fn is_postgres_url(url: &str) -> bool {
@@ -142,13 +146,19 @@ pub fn redact(url: &str) -> String {
 enum Failure {
     /// The connection broke or the server asked to retry: the attempt may be repeated.
     Transient(String),
+    /// The server refused a new connection because every slot it allows (its own, or the
+    /// role's or database's limit) is taken: other processes will free one, so it is waited
+    /// for, up to [`SLOT_WAIT`].
+    NoSlot(String),
     /// Anything else, final.
     Fatal(CommitError),
 }
 
 impl From<tokio_postgres::Error> for Failure {
     fn from(e: tokio_postgres::Error) -> Failure {
-        if is_transient(&e) {
+        if e.code() == Some(&SqlState::TOO_MANY_CONNECTIONS) {
+            Failure::NoSlot(describe(&e))
+        } else if is_transient(&e) {
             Failure::Transient(describe(&e))
         } else {
             Failure::Fatal(CommitError::Backend(describe(&e)))
@@ -365,6 +375,7 @@ impl PostgresBackend {
     ) -> Result<T, CommitError> {
         let mut pause = FIRST_PAUSE;
         let mut tries = 0;
+        let (mut slot_pause, mut waiting_for_slot) = (FIRST_PAUSE, None);
         loop {
             tries += 1;
             let result = match pool.get().await {
@@ -381,6 +392,24 @@ impl PostgresBackend {
                     tracing::warn!(db = %self.name, "retrying after a broken connection: {e}");
                     tokio::time::sleep(pause).await;
                     pause *= 2;
+                }
+                Err(Failure::NoSlot(e)) => {
+                    // Counted apart from broken connections: a busy server is no sign of a
+                    // broken one, and its slots free up as other processes finish.
+                    tries -= 1;
+                    let since = *waiting_for_slot.get_or_insert_with(|| {
+                        tracing::warn!(db = %self.name, "waiting for a free connection slot: {e}");
+                        std::time::Instant::now()
+                    });
+                    if since.elapsed() >= SLOT_WAIT {
+                        return Err(CommitError::Backend(format!(
+                            "{e} (waited {}s for a free connection slot; raise the server's max_connections \
+                             or run fewer processes)",
+                            SLOT_WAIT.as_secs()
+                        )));
+                    }
+                    tokio::time::sleep(slot_pause).await;
+                    slot_pause = (slot_pause * 2).min(LONGEST_SLOT_PAUSE);
                 }
             }
         }
