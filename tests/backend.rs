@@ -674,9 +674,7 @@ mod postgres_server {
                 runtime.block_on(async {
                     let mut clients = Vec::new();
                     for _ in 0..2 {
-                        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
-                        tokio::spawn(connection);
-                        clients.push(client);
+                        clients.push(support::postgres::connect(&url).await.unwrap());
                     }
                     held.send(()).unwrap();
                     // Both slots stay taken until the test lets them go.

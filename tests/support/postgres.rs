@@ -65,13 +65,12 @@ pub fn try_query(sql: &str) -> Result<Vec<String>, String> {
     let worker = std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
         runtime.block_on(async {
-            let (client, connection) = connect(&url).await.map_err(|e| {
+            let client = connect(&url).await.map_err(|e| {
                 format!(
                     "PostgreSQL is unreachable at {url}: {e}. These tests need a server: start one, or point \
                      SAGABOX_PG_URL at one (README, Testing)"
                 )
             })?;
-            tokio::spawn(connection);
             let messages = client.simple_query(&sql).await.map_err(|e| format!("{sql}: {e}"))?;
             let first = |m: &tokio_postgres::SimpleQueryMessage| match m {
                 tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_string),
@@ -83,24 +82,24 @@ pub fn try_query(sql: &str) -> Result<Vec<String>, String> {
     worker.join().unwrap_or_else(|_| Err("the PostgreSQL helper thread panicked".into()))
 }
 
-/// A connection to `url`, waiting (up to a minute) while the server has no connection slot
-/// free: the tests' sagabox processes take and free many.
-async fn connect(
-    url: &str,
-) -> Result<
-    (tokio_postgres::Client, tokio_postgres::Connection<tokio_postgres::Socket, tokio_postgres::tls::NoTlsStream>),
-    tokio_postgres::Error,
-> {
+/// A connection to `url` (its connection task spawned on the caller's runtime), waiting up
+/// to a minute while the server has no connection slot free: the tests' sagabox processes
+/// take and free many.
+pub async fn connect(url: &str) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
     let started = std::time::Instant::now();
     loop {
         match tokio_postgres::connect(url, tokio_postgres::NoTls).await {
+            Ok((client, connection)) => {
+                tokio::spawn(connection);
+                return Ok(client);
+            }
             Err(e)
                 if e.code() == Some(&tokio_postgres::error::SqlState::TOO_MANY_CONNECTIONS)
                     && started.elapsed() < std::time::Duration::from_secs(60) =>
             {
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }
-            result => return result,
+            Err(e) => return Err(e),
         }
     }
 }
