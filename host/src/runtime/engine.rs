@@ -495,7 +495,7 @@ fn entry_name(engine: &Engine, sha256: &str) -> String {
     }
     let mut hasher = ShaHasher(Sha256::new());
     std::hash::Hash::hash(&engine.precompile_compatibility_hash(), &mut hasher);
-    format!("{sha256}-{}.cwasm", &hex::encode(hasher.0.finalize())[..16])
+    format!("{sha256}-{}.cwasm", &crate::json::lower_hex(&hasher.0.finalize())[..16])
 }
 
 /// Writes an entry atomically: bytes and trailer into a new file with a random name,

@@ -138,14 +138,14 @@ impl State {
                 hasher.update(namespace.digest());
             }
         }
-        hex::encode(hasher.finalize())
+        crate::json::lower_hex(&hasher.finalize())
     }
 
     /// Overall and per-namespace digests.
     pub fn digests(&self) -> Digests {
         Digests {
             overall: self.digest(),
-            namespaces: self.namespaces().map(|(ns, n)| (ns.clone(), hex::encode(n.digest()))).collect(),
+            namespaces: self.namespaces().map(|(ns, n)| (ns.clone(), crate::json::lower_hex(&n.digest()))).collect(),
         }
     }
 }
