@@ -7,8 +7,14 @@ use sha2::{Digest, Sha256};
 /// tool and the canonical arguments, each length-prefixed so that no two different calls
 /// can produce the same input to the hash.
 pub fn idempotency_key(run_id: &str, step_id: &str, tool: &str, args: &Value) -> String {
+    idempotency_key_of_text(run_id, step_id, tool, &crate::json::canonical(args))
+}
+
+/// [`idempotency_key`] from the arguments' canonical text (`json::canonical`), for a caller
+/// that has it already.
+pub fn idempotency_key_of_text(run_id: &str, step_id: &str, tool: &str, canonical_args: &str) -> String {
     let mut hasher = Sha256::new();
-    for part in [run_id, step_id, tool, &crate::json::canonical(args)] {
+    for part in [run_id, step_id, tool, canonical_args] {
         hasher.update((part.len() as u64).to_le_bytes());
         hasher.update(part.as_bytes());
     }
@@ -44,6 +50,11 @@ mod tests {
     fn a_key_is_the_documented_hash_of_its_parts() {
         assert_eq!(
             idempotency_key("run", "flight", "airline.book", &json!({"b": 2, "a": 1})),
+            "0329a3e5c8a8178c4f154dd6177b28ab026e433d01e06b1224959556cf95a5ac"
+        );
+        // The engine's way: the canonical text it also hands the guest.
+        assert_eq!(
+            idempotency_key_of_text("run", "flight", "airline.book", r#"{"a":1,"b":2}"#),
             "0329a3e5c8a8178c4f154dd6177b28ab026e433d01e06b1224959556cf95a5ac"
         );
     }

@@ -8,6 +8,7 @@
 //! caller commits it, so a call that fails in any way writes nothing.
 
 mod access;
+mod args;
 mod engine;
 pub mod error;
 mod http;
@@ -26,6 +27,7 @@ use serde::Serialize;
 use serde_json::Value;
 use wasmtime::{Store, Trap, UpdateDeadline};
 
+pub use args::CallArgs;
 pub use engine::{COMPILE_PROGRESS, CompileCache, CompileSource, EngineOptions};
 pub use error::{CallError, FailureKind, LoadError};
 pub use operator::{Grant, Operator, OperatorError};
@@ -432,8 +434,15 @@ impl Runtime {
 
     /// Runs `<plugin>.<tool>` on a transaction over `base`; the writes stay in the returned
     /// transaction.
-    pub async fn invoke(&self, qualified: &str, args: &Value, options: &CallOptions, base: State) -> Invocation {
+    pub async fn invoke(
+        &self,
+        qualified: &str,
+        args: impl Into<CallArgs<'_>>,
+        options: &CallOptions,
+        base: State,
+    ) -> Invocation {
         let started = Instant::now();
+        let args = args.into();
         let (plugin, tool) = match self.resolve(qualified) {
             Ok(found) => found,
             Err(e) => {
@@ -455,10 +464,10 @@ impl Runtime {
             limits.deadline_ms = limits.deadline_ms.min(left_ms);
         }
         let mut fuel_used = 0;
-        let result = match Self::check(tool, qualified, args, &limits) {
+        let result = match Self::check(tool, qualified, args.value(), &limits) {
             Err(e) => Err(e),
             Ok(()) if self.native_tools => {
-                native::call(plugin, &tool.info.name, args, &options.context, &limits, &mut txn)
+                native::call(plugin, &tool.info.name, args.value(), &options.context, &limits, &mut txn)
             }
             // Boxed: the sandboxed call's future (store, instance, timer) is a few KB, and
             // every async layer above would otherwise hold it inline and copy it when created.
@@ -486,7 +495,7 @@ impl Runtime {
         plugin: &Plugin,
         tool: &Tool,
         qualified: &str,
-        args: &Value,
+        args: CallArgs<'_>,
         options: &CallOptions,
         limits: &Limits,
         txn: &mut Txn,
@@ -506,7 +515,7 @@ impl Runtime {
             attempt: options.context.attempt,
             idempotency_key: options.context.idempotency_key.clone(),
         };
-        let args_text = crate::json::canonical(args);
+        let args_text = args.canonical().into_owned();
         let (tool_name, budget) = (tool.info.name.clone(), limits.deadline());
         // The timer catches a guest blocked in a host call (the epoch, one spinning in wasm).
         let guest = async move {
@@ -564,11 +573,12 @@ impl Runtime {
     pub async fn call_and_commit<T, E>(
         &self,
         qualified: &str,
-        args: &Value,
+        args: impl Into<CallArgs<'_>>,
         options: &CallOptions,
         snapshot: impl Fn() -> State,
         mut commit: impl FnMut(&Invocation, &Value) -> CommitAttempt<T, E>,
     ) -> Committed<T, E> {
+        let args = args.into();
         let mut runs = 0;
         let mut turn = None;
         loop {

@@ -30,10 +30,10 @@ use super::journal::{DocWrite, ErrorInfo, Event, EventKind, JournalSink};
 use super::plan::{Plan, PlannedStep, merge_args};
 use super::report::{CompensationFailure, NetChange, RunReport, Status, StepReport, StepStatus};
 use crate::backend::{Backend, CommitError};
-use crate::ids::idempotency_key;
+use crate::ids::idempotency_key_of_text;
 use crate::json::DocText;
 use crate::runtime::{
-    CallContext, CallError, CallFailure, CallOptions, CommitAttempt, FailureKind, InjectedFault, Runtime,
+    CallArgs, CallContext, CallError, CallFailure, CallOptions, CommitAttempt, FailureKind, InjectedFault, Runtime,
 };
 use crate::store::Txn;
 use crate::store::undo::without_writes;
@@ -228,7 +228,8 @@ struct Call<'a> {
     phase: Phase,
     tool: &'a str,
     side_effects: bool,
-    args: &'a Value,
+    /// With their canonical text, printed once for the key and handed to every attempt.
+    args: CallArgs<'a>,
     key: &'a str,
 }
 
@@ -659,14 +660,17 @@ impl<'a> Run<'a> {
                 return false;
             }
         };
-        let key =
-            step.key.clone().unwrap_or_else(|| idempotency_key(&self.options.run_id, &step.id, &step.tool, &args));
+        let canonical = crate::json::canonical(&args);
+        let key = step
+            .key
+            .clone()
+            .unwrap_or_else(|| idempotency_key_of_text(&self.options.run_id, &step.id, &step.tool, &canonical));
         let call = Call {
             step,
             phase: Phase::Action,
             tool: &step.tool,
             side_effects: step.side_effects,
-            args: &args,
+            args: CallArgs::with_canonical(&args, &canonical),
             key: &key,
         };
         let fault = self.options.faults.get(&step.id, Phase::Action);
@@ -1000,13 +1004,15 @@ impl<'a> Run<'a> {
         let Some(compensator) = &step.compensator else { return Ok(()) };
         let span = tracing::info_span!("compensate", step = %step.id, tool = %compensator.tool);
         let args = self.compensator_args(step, forward);
-        let key = idempotency_key(&self.options.run_id, &format!("{}/compensate", step.id), &compensator.tool, &args);
+        let canonical = crate::json::canonical(&args);
+        let step_id = format!("{}/compensate", step.id);
+        let key = idempotency_key_of_text(&self.options.run_id, &step_id, &compensator.tool, &canonical);
         let call = Call {
             step,
             phase: Phase::Compensation,
             tool: &compensator.tool,
             side_effects: true,
-            args: &args,
+            args: CallArgs::with_canonical(&args, &canonical),
             key: &key,
         };
         let fault = self.options.faults.get(&step.id, Phase::Compensation);
@@ -1049,8 +1055,8 @@ impl<'a> Run<'a> {
     fn compensator_args(&self, step: &PlannedStep, forward: &Completed) -> Value {
         let progress = lock(&self.progress);
         let output = if forward.lost { None } else { progress.outputs.get(&step.id).cloned() };
-        let template = step.compensator.as_ref().map_or(Value::Null, |c| c.arguments.clone());
-        let resolved = binding::resolve(&template, &Scope { input: &self.options.input, steps: &progress.outputs });
+        let template = step.compensator.as_ref().map_or(&Value::Null, |c| &c.arguments);
+        let resolved = binding::resolve(template, &Scope { input: &self.options.input, steps: &progress.outputs });
         let mut args = match resolved {
             Ok(Value::Object(map)) => map,
             Ok(_) => Default::default(),
@@ -1061,14 +1067,13 @@ impl<'a> Run<'a> {
                 Default::default()
             }
         };
-        args.insert(
-            "forward".into(),
-            json!({
-                "arguments": forward.args,
-                "output": output,
-                "idempotency_key": forward.key,
-            }),
-        );
+        // Built from clones: `json!` would copy the arguments and output through `to_value`,
+        // a serializer that rebuilds every map entry by entry.
+        let mut envelope = serde_json::Map::new();
+        envelope.insert("arguments".into(), forward.args.clone());
+        envelope.insert("output".into(), output.unwrap_or(Value::Null));
+        envelope.insert("idempotency_key".into(), Value::String(forward.key.clone()));
+        args.insert("forward".into(), Value::Object(envelope));
         Value::Object(args)
     }
 
