@@ -596,7 +596,7 @@ fn expected_state(base: &State, last: &State, new_ids: &[String], log: &str) -> 
     let names: BTreeSet<&String> = base.namespaces().chain(last.namespaces()).map(|(ns, _)| ns).collect();
     for ns in names.into_iter().filter(|ns| *ns != log) {
         let keys = |state: &State| -> Vec<String> {
-            state.namespace(ns).map(|n| n.iter().map(|(k, _)| k.clone()).collect()).unwrap_or_default()
+            state.namespace(ns).map(|n| n.iter().map(|(k, _)| k.to_string()).collect()).unwrap_or_default()
         };
         let keys: BTreeSet<String> = keys(base).into_iter().chain(keys(last)).collect();
         let mut docs = Map::new();

@@ -854,7 +854,7 @@ impl Backend for PostgresBackend {
             let put = tx.prepare("INSERT INTO docs (ns, key, body, version) VALUES ($1, $2, $3, 1)").await?;
             for (ns, namespace) in state.namespaces() {
                 for (key, doc) in namespace.iter() {
-                    tx.execute(&put, &[ns, key, &&*doc.text]).await?;
+                    tx.execute(&put, &[ns, &key, &&*doc.text]).await?;
                 }
                 tx.execute("INSERT INTO namespaces VALUES ($1, 1)", &[ns]).await?;
             }

@@ -1291,7 +1291,7 @@ mod tests {
         let db = open(&path);
         assert_eq!(allocated(&db), 1);
         let marks: Vec<String> =
-            db.current_state().unwrap().namespace("marks").unwrap().iter().map(|(k, _)| k.clone()).collect();
+            db.current_state().unwrap().namespace("marks").unwrap().iter().map(|(k, _)| k.to_string()).collect();
         assert_eq!(marks, ["a"]);
         assert!(db.current_state().unwrap().get("pools", "q").is_none());
         assert_eq!(db.cached("ka"), Some(json!("a")));

@@ -16,7 +16,7 @@
 //! namespace removes it, so a state restored by compensation digests like the original.
 
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use imbl::OrdMap;
 use imbl::ordmap::DiffItem;
@@ -57,7 +57,7 @@ fn bucket_of(key: &str) -> u8 {
 /// One bucket: its documents' hashes by key, and its digest, computed on first use.
 #[derive(Clone, Debug, Default)]
 pub(super) struct Bucket {
-    docs: OrdMap<String, [u8; 32]>,
+    docs: OrdMap<Arc<str>, [u8; 32]>,
     digest: OnceLock<[u8; 32]>,
 }
 
@@ -100,19 +100,19 @@ impl Namespace {
     /// Forgets the digests a write of `key` changes (`written`: the new document, `None`
     /// when deleted), keeping the bucket index up to date if a digest built it (which then
     /// hashes the new document).
-    pub(super) fn forget_digest(&mut self, key: &str, written: Option<&Doc>) {
+    pub(super) fn forget_digest(&mut self, key: &Arc<str>, written: Option<&Doc>) {
         self.digest = OnceLock::new();
         let Some(buckets) = self.buckets.get_mut() else { return };
         let number = bucket_of(key);
         match written {
             Some(doc) => {
                 let bucket = buckets.entry(number).or_default();
-                bucket.docs.insert(key.to_string(), *doc.hash());
+                bucket.docs.insert(key.clone(), *doc.hash());
                 bucket.digest = OnceLock::new();
             }
             None => {
                 if let Some(bucket) = buckets.get_mut(&number) {
-                    bucket.docs.remove(key);
+                    bucket.docs.remove(&**key);
                     bucket.digest = OnceLock::new();
                     if bucket.docs.is_empty() {
                         buckets.remove(&number);
@@ -275,6 +275,21 @@ mod tests {
             "users": { "u1": { "name": "Ada" } }
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn a_written_key_is_one_allocation_shared_by_the_documents_and_the_digest() {
+        let store = MemoryStore::new(state());
+        store.snapshot().namespace("users").unwrap().digest(); // the buckets exist from here on
+        let mut write = Txn::new(store.snapshot(), WriteQuota::default());
+        write.put("users", "u2", r#"{"name":"Grace"}"#).unwrap();
+        store.commit(&write).unwrap();
+        let users = store.snapshot().namespace("users").unwrap().clone();
+        let (in_docs, _) = users.docs.get_key_value("u2").unwrap();
+        let bucket = &users.buckets.get().unwrap()[&bucket_of("u2")];
+        let (in_bucket, _) = bucket.docs.get_key_value("u2").unwrap();
+        // A node copied by a later write copies a reference count, not the key's text.
+        assert!(Arc::ptr_eq(in_docs, in_bucket));
     }
 
     #[test]

@@ -61,7 +61,9 @@ impl Doc {
 /// The documents of one namespace.
 #[derive(Clone, Debug, Default)]
 pub struct Namespace {
-    docs: OrdMap<String, Doc>,
+    /// Keys shared, not owned: a write copies its B-tree node, and with it every key there
+    /// (64 a node), so owned strings cost an allocation each.
+    docs: OrdMap<Arc<str>, Doc>,
     /// The commit that last added or removed a key: `list` results depend on it.
     keys_version: u64,
     /// The namespace's digest, computed on first use after a change.
@@ -87,18 +89,22 @@ impl Namespace {
     }
 
     /// Documents in key order.
-    pub fn iter(&self) -> impl Iterator<Item = (&String, &Doc)> {
-        self.docs.iter()
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Doc)> {
+        self.docs.iter().map(|(k, d)| (&**k, d))
     }
 
     /// Keys that start with `prefix`, in order.
-    pub fn keys_with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a String> + 'a {
+    pub fn keys_with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = &'a str> + 'a {
         self.with_prefix(prefix).map(|(k, _)| k)
     }
 
     /// Documents whose keys start with `prefix`, in key order.
-    pub fn with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = (&'a String, &'a Doc)> + 'a {
-        self.docs.range(prefix.to_string()..).take_while(move |(k, _)| k.starts_with(prefix))
+    pub fn with_prefix<'a>(&'a self, prefix: &'a str) -> impl Iterator<Item = (&'a str, &'a Doc)> + 'a {
+        use std::ops::Bound;
+        self.docs
+            .range::<_, str>((Bound::Included(prefix), Bound::Unbounded))
+            .map(|(k, d)| (&**k, d))
+            .take_while(move |(k, _)| k.starts_with(prefix))
     }
 
     /// Whether both hold the very same documents (one is an unchanged copy of the other).
@@ -147,7 +153,7 @@ impl State {
             let mut namespace = Namespace::default();
             for (key, doc) in docs {
                 let text: Arc<str> = crate::json::canonical(doc).into();
-                namespace.docs.insert(key.clone(), Doc::new(text, 1));
+                namespace.docs.insert(key.as_str().into(), Doc::new(text, 1));
             }
             // Empty namespaces do not exist (see `digest`).
             if !namespace.is_empty() {
@@ -167,7 +173,7 @@ impl State {
         let mut state = State { version, ..State::default() };
         for (ns, key, text, doc_version) in docs {
             let namespace = state.namespaces.entry(ns).or_default();
-            namespace.docs.insert(key, Doc::new(text.into(), doc_version));
+            namespace.docs.insert(key.into(), Doc::new(text.into(), doc_version));
         }
         for (ns, keys_version) in keys_versions {
             if let Some(namespace) = state.namespaces.get_mut(&ns) {
@@ -183,7 +189,7 @@ impl State {
         for (ns, namespace) in self.namespaces() {
             let docs = namespace
                 .iter()
-                .map(|(k, d)| (k.clone(), serde_json::from_str(&d.text).unwrap_or(Value::Null)))
+                .map(|(k, d)| (k.to_string(), serde_json::from_str(&d.text).unwrap_or(Value::Null)))
                 .collect();
             out.insert(ns.clone(), Value::Object(docs));
         }
@@ -204,7 +210,7 @@ impl State {
                 if j > 0 {
                     out.push(',');
                 }
-                out.push_str(&Value::String(key.clone()).to_string());
+                out.push_str(&Value::String(key.to_string()).to_string());
                 out.push(':');
                 out.push_str(&doc.text);
             }
@@ -223,11 +229,13 @@ impl State {
         for (ns, key, text) in writes {
             let namespace = self.namespaces.entry(ns.to_string()).or_default();
             let doc = text.map(|text| Doc::new(text.clone(), version));
-            namespace.forget_digest(key, doc.as_ref());
+            // One allocation for the key, shared by the documents and the digest buckets.
+            let key: Arc<str> = key.into();
+            namespace.forget_digest(&key, doc.as_ref());
             namespace.finds = found::Memo::default();
             let existed = match doc {
-                Some(doc) => namespace.docs.insert(key.to_string(), doc).is_some(),
-                None => namespace.docs.remove(key).is_some(),
+                Some(doc) => namespace.docs.insert(key, doc).is_some(),
+                None => namespace.docs.remove(&*key).is_some(),
             };
             if existed != text.is_some() {
                 namespace.keys_version = version;

@@ -328,7 +328,7 @@ impl Txn {
         for (key, text) in self.range(ns, prefix).take(self.caps.listed_keys.saturating_add(1)) {
             answer.looked_at += 1;
             if tests.iter().all(|test| test.holds(text)) {
-                answer.found.push((key.clone(), text.clone()));
+                answer.found.push((key.to_string(), text.clone()));
             }
         }
         answer
@@ -336,10 +336,11 @@ impl Txn {
 
     /// The documents of `ns` whose keys start with `prefix`, in key order, as this call sees
     /// them: the snapshot's with the call's own writes laid over them.
-    fn range<'a>(&'a self, ns: &str, prefix: &'a str) -> impl Iterator<Item = (&'a String, &'a Arc<str>)> + 'a {
+    fn range<'a>(&'a self, ns: &str, prefix: &'a str) -> impl Iterator<Item = (&'a str, &'a Arc<str>)> + 'a {
         let snapshot = self.base.namespace(ns).into_iter().flat_map(move |n| n.with_prefix(prefix));
         let mut snapshot = snapshot.map(|(key, doc)| (key, Some(&doc.text))).peekable();
-        let mut written = self.writes.with_prefix(ns, prefix).map(|(key, text)| (key, text.as_ref())).peekable();
+        let mut written =
+            self.writes.with_prefix(ns, prefix).map(|(key, text)| (key.as_str(), text.as_ref())).peekable();
         std::iter::from_fn(move || {
             let next = match (snapshot.peek(), written.peek()) {
                 (Some((a, _)), Some((b, _))) if a < b => snapshot.next(),
@@ -383,7 +384,7 @@ impl Txn {
     fn keys(&mut self, ns: &str, prefix: &str, take: usize) -> Vec<String> {
         let keys_version = self.base.namespace(ns).map_or(0, |n| n.keys_version);
         self.listed.entry(ns.to_string()).or_insert(keys_version);
-        self.range(ns, prefix).take(take).map(|(key, _)| key.clone()).collect()
+        self.range(ns, prefix).take(take).map(|(key, _)| key.to_string()).collect()
     }
 
     fn check_names(&self, ns: &str, key: &str) -> Result<(), TxnError> {
@@ -482,13 +483,13 @@ fn first_difference(before: Option<&Namespace>, after: Option<&Namespace>, prefi
         match (before.next(), after.next()) {
             (None, None) => return None,
             (b, a) if b == a => continue,
-            (Some((b, _)), Some((a, _))) => return Some(b.min(a).clone()),
-            (Some((key, _)), None) | (None, Some((key, _))) => return Some(key.clone()),
+            (Some((b, _)), Some((a, _))) => return Some(b.min(a).to_string()),
+            (Some((key, _)), None) | (None, Some((key, _))) => return Some(key.to_string()),
         }
     }
 }
 
-fn versions<'a>(namespace: Option<&'a Namespace>, prefix: &'a str) -> impl Iterator<Item = (&'a String, u64)> + 'a {
+fn versions<'a>(namespace: Option<&'a Namespace>, prefix: &'a str) -> impl Iterator<Item = (&'a str, u64)> + 'a {
     namespace.into_iter().flat_map(move |n| n.with_prefix(prefix)).map(|(key, doc)| (key, doc.version))
 }
 
