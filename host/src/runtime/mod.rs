@@ -878,6 +878,29 @@ mod tests {
         assert!(std::mem::size_of_val(&call) <= 1024, "invoke's future: {} bytes", std::mem::size_of_val(&call));
     }
 
+    /// A sandboxed call hands the guest the canonical text its caller brought (the saga
+    /// engine prints a step's arguments once, for the key and every attempt), not its value
+    /// printed again. The two differ here only so that the guest's echo tells which it read.
+    #[tokio::test]
+    async fn a_sandboxed_call_hands_the_guest_the_text_its_caller_brought() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("hostile.wasm"), bundled_wasm("hostile").unwrap()).unwrap();
+        let options = RuntimeOptions {
+            bundled: false,
+            plugin_dirs: vec![dir.path().into()],
+            cache_dir: None,
+            ..Default::default()
+        };
+        let runtime = Runtime::load(options).await.unwrap();
+        let value = serde_json::json!({ "from": "value" });
+        let args = CallArgs::with_canonical(&value, r#"{"from":"text"}"#);
+        let call = runtime.invoke("hostile.echo", args, &CallOptions::default(), State::default()).await;
+        assert_eq!(call.result.unwrap(), serde_json::json!({ "from": "text" }));
+        // A caller without the text gets the value printed.
+        let call = runtime.invoke("hostile.echo", &value, &CallOptions::default(), State::default()).await;
+        assert_eq!(call.result.unwrap(), value);
+    }
+
     /// The initial pages of the largest memory that `wasm` (a component) declares.
     fn initial_pages(wasm: &[u8]) -> u64 {
         let mut largest = 0;
