@@ -170,14 +170,27 @@ impl Heap {
         let Some((chunk, len)) = take_chunk(size, want) else {
             return false;
         };
-        self.next = chunk as usize;
-        self.end = self.next + len;
-        self.chunks[self.chunk_count] = (self.next, self.end);
-        self.chunk_count += 1;
+        self.add_chunk(chunk as usize, len);
         // The size asked for, not the one given: a short last piece of the initial memory
         // must not restart the doubling from its length.
         self.chunk = want;
         true
+    }
+
+    /// Makes `start..start + len` the room blocks are carved from. A chunk that starts where
+    /// the current one ends (the initial memory's free part is handed out in order) extends
+    /// it: the current chunk's unused end is not left behind, and [`Heap::owns`] has one
+    /// range to check instead of one a chunk.
+    fn add_chunk(&mut self, start: usize, len: usize) {
+        if self.chunk_count > 0 && start == self.end {
+            self.end += len;
+            self.chunks[self.chunk_count - 1].1 = self.end;
+            return;
+        }
+        self.next = start;
+        self.end = start + len;
+        self.chunks[self.chunk_count] = (self.next, self.end);
+        self.chunk_count += 1;
     }
 }
 
@@ -459,6 +472,27 @@ mod tests {
             assert!(!block.is_null() && !heap.owns(block));
             heap.dealloc(block, layout(100, 8));
             assert!(heap.free.iter().all(|f| f.is_null()), "a system block is not kept");
+        }
+    }
+
+    #[test]
+    fn a_chunk_that_starts_where_the_current_one_ends_extends_it() {
+        let mut heap = Heap::new();
+        let mut memory = vec![0u128; 1024];
+        let start = memory.as_mut_ptr() as usize;
+        heap.add_chunk(start, 2048);
+        unsafe {
+            let first = heap.alloc(layout(1024, 16));
+            let second = heap.alloc(layout(512, 16));
+            // 512 bytes are left, too few for 1,024: the next chunk follows the first.
+            heap.add_chunk(start + 2048, 4096);
+            assert_eq!(heap.chunk_count, 1, "one range for both");
+            assert_eq!(heap.alloc(layout(1024, 16)) as usize, second as usize + 512, "the first chunk's end was used");
+            assert!(heap.owns(first) && heap.owns((start + 6000) as *mut u8) && !heap.owns((start + 6144) as *mut u8));
+            // A chunk elsewhere starts a range of its own.
+            heap.add_chunk(start + 8192, 4096);
+            assert_eq!((heap.chunk_count, heap.next), (2, start + 8192));
+            assert!(heap.owns(first) && heap.owns((start + 8192) as *mut u8) && !heap.owns((start + 7000) as *mut u8));
         }
     }
 

@@ -14,6 +14,7 @@ pub mod docs;
 pub mod hotel;
 pub mod inventory;
 pub mod json_text;
+pub mod mem;
 pub mod payment;
 pub mod rental;
 pub mod resources;
@@ -79,6 +80,15 @@ macro_rules! export_plugin {
         unsafe extern "C" fn cabi_realloc(block: *mut u8, old_size: usize, align: usize, new_size: usize) -> *mut u8 {
             // SAFETY: the canonical ABI calls it as `realloc`, which is `call_heap::cabi_realloc`'s contract.
             unsafe { $crate::call_heap::cabi_realloc(block, old_size, align, new_size) }
+        }
+
+        /// Compares eight bytes at a time where the standard library's WebAssembly builds
+        /// compare one (`mem`): every string comparison a plugin makes ends here.
+        #[cfg(target_family = "wasm")]
+        #[unsafe(no_mangle)]
+        unsafe extern "C" fn memcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
+            // SAFETY: C's `memcmp` contract, which is `mem::compare`'s.
+            unsafe { $crate::mem::compare(a, b, n) }
         }
 
         /// Without WASI the standard library prints a panic's message nowhere.
