@@ -83,7 +83,7 @@ impl Heap {
     /// As [`GlobalAlloc::alloc`].
     pub unsafe fn alloc(&mut self, layout: Layout) -> *mut u8 {
         let Some(class) = class_of(layout) else {
-            return unsafe { System.alloc(layout) };
+            return unsafe { system::alloc(layout) };
         };
         let head = self.free[class];
         if !head.is_null() {
@@ -93,7 +93,7 @@ impl Heap {
         }
         let size = BLOCK_ALIGN << class;
         if self.end - self.next < size && !self.refill(size) {
-            return unsafe { System.alloc(layout) };
+            return unsafe { system::alloc(layout) };
         }
         let block = self.next;
         self.next += size;
@@ -112,7 +112,7 @@ impl Heap {
                 unsafe { block.cast::<*mut u8>().write(self.free[class]) };
                 self.free[class] = block;
             }
-            None => unsafe { System.dealloc(block, layout) },
+            None => unsafe { system::dealloc(block, layout) },
         }
     }
 
@@ -122,7 +122,7 @@ impl Heap {
         // SAFETY: `realloc`'s contract: the new size, rounded up to the alignment, fits isize.
         let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
         if !self.owns(block) {
-            return unsafe { System.realloc(block, layout, new_size) };
+            return unsafe { system::realloc(block, layout, new_size) };
         }
         match (class_of(layout), class_of(new_layout)) {
             // The block already has room (growing a string or a vector within its class).
@@ -162,6 +162,8 @@ impl Heap {
 
     /// Takes a new chunk with room for at least `size` bytes; the rest of the old one is
     /// left unused.
+    #[cold]
+    #[inline(never)]
     fn refill(&mut self, size: usize) -> bool {
         if self.chunk_count == MAX_CHUNKS {
             return false;
@@ -191,6 +193,36 @@ impl Heap {
         self.end = start + len;
         self.chunks[self.chunk_count] = (self.next, self.end);
         self.chunk_count += 1;
+    }
+}
+
+/// The system allocator, kept out of line: inlined into the heap's own paths, its code took
+/// registers that every call of `alloc` and `dealloc` then saved and restored.
+mod system {
+    use std::alloc::{GlobalAlloc, Layout, System};
+
+    /// # Safety
+    /// As [`GlobalAlloc::alloc`].
+    #[cold]
+    #[inline(never)]
+    pub unsafe fn alloc(layout: Layout) -> *mut u8 {
+        unsafe { System.alloc(layout) }
+    }
+
+    /// # Safety
+    /// As [`GlobalAlloc::dealloc`].
+    #[cold]
+    #[inline(never)]
+    pub unsafe fn dealloc(block: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(block, layout) }
+    }
+
+    /// # Safety
+    /// As [`GlobalAlloc::realloc`].
+    #[cold]
+    #[inline(never)]
+    pub unsafe fn realloc(block: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        unsafe { System.realloc(block, layout, new_size) }
     }
 }
 
