@@ -32,7 +32,8 @@ const BLOCK_ALIGN: usize = 1 << MIN_SHIFT;
 /// past a large first chunk, that is a page a call allocating little would not touch.
 const FIRST_CHUNK: usize = 2 << 10;
 const MAX_CHUNK: usize = 1 << 20;
-/// Chunks a heap keeps track of; past them, blocks come from the system allocator.
+/// Chunks a heap keeps track of (adjacent ones count once); past them, blocks come from the
+/// system allocator.
 const MAX_CHUNKS: usize = 64;
 
 /// The size class of `layout`, or `None` when the system allocator serves it.
@@ -49,8 +50,8 @@ fn class_of(layout: Layout) -> Option<usize> {
 pub struct Heap {
     /// Each class's freed blocks, linked through their first word.
     free: [*mut u8; CLASSES],
-    /// The chunks taken, as address ranges; the last is the current one, of which
-    /// `next..end` is unused.
+    /// The chunks taken, as address ranges (adjacent ones as one); the last is the current
+    /// one, of which `next..end` is unused.
     chunks: [(usize, usize); MAX_CHUNKS],
     chunk_count: usize,
     next: usize,
@@ -161,7 +162,7 @@ impl Heap {
     }
 
     /// Takes a new chunk with room for at least `size` bytes; the rest of the old one is
-    /// left unused.
+    /// left unused, unless the new one follows it ([`Heap::add_chunk`]).
     #[cold]
     #[inline(never)]
     fn refill(&mut self, size: usize) -> bool {
