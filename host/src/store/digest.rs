@@ -97,29 +97,33 @@ impl Namespace {
         })
     }
 
-    /// Forgets the digests a write of `key` changes (`written`: the new document, `None`
-    /// when deleted), keeping the bucket index up to date if a digest built it (which then
-    /// hashes the new document).
-    pub(super) fn forget_digest(&mut self, key: &Arc<str>, written: Option<&Doc>) {
-        self.digest = OnceLock::new();
-        let Some(buckets) = self.buckets.get_mut() else { return };
+    /// Forgets the digests a write of `key` changes, keeping the bucket index up to date if a
+    /// digest built it (which then hashes the new document). The bucket keeps `key` itself:
+    /// the documents' map holds the same allocation.
+    pub(super) fn forget_written(&mut self, key: &Arc<str>, doc: &Doc) {
+        let Some(buckets) = self.forget_whole_digest() else { return };
+        let bucket = buckets.entry(bucket_of(key)).or_default();
+        bucket.docs.insert(key.clone(), *doc.hash());
+        bucket.digest = OnceLock::new();
+    }
+
+    /// Forgets the digests a delete of `key` changes, keeping the bucket index up to date.
+    pub(super) fn forget_deleted(&mut self, key: &str) {
+        let Some(buckets) = self.forget_whole_digest() else { return };
         let number = bucket_of(key);
-        match written {
-            Some(doc) => {
-                let bucket = buckets.entry(number).or_default();
-                bucket.docs.insert(key.clone(), *doc.hash());
-                bucket.digest = OnceLock::new();
-            }
-            None => {
-                if let Some(bucket) = buckets.get_mut(&number) {
-                    bucket.docs.remove(&**key);
-                    bucket.digest = OnceLock::new();
-                    if bucket.docs.is_empty() {
-                        buckets.remove(&number);
-                    }
-                }
+        if let Some(bucket) = buckets.get_mut(&number) {
+            bucket.docs.remove(key);
+            bucket.digest = OnceLock::new();
+            if bucket.docs.is_empty() {
+                buckets.remove(&number);
             }
         }
+    }
+
+    /// Forgets the namespace's digest, and returns its bucket index if a digest built one.
+    fn forget_whole_digest(&mut self) -> Option<&mut Buckets> {
+        self.digest = OnceLock::new();
+        self.buckets.get_mut()
     }
 }
 

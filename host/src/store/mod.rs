@@ -227,15 +227,27 @@ impl State {
         writes: impl IntoIterator<Item = (&'a str, &'a str, Option<&'a Arc<str>>)>,
     ) {
         for (ns, key, text) in writes {
-            let namespace = self.namespaces.entry(ns.to_string()).or_default();
-            let doc = text.map(|text| Doc::new(text.clone(), version));
-            // One allocation for the key, shared by the documents and the digest buckets.
-            let key: Arc<str> = key.into();
-            namespace.forget_digest(&key, doc.as_ref());
+            // A write to an existing namespace allocates no copy of its name.
+            if !self.namespaces.contains_key(ns) {
+                if text.is_none() {
+                    continue; // a delete from a namespace that does not exist changes nothing
+                }
+                self.namespaces.insert(ns.to_string(), Namespace::default());
+            }
+            let Some(namespace) = self.namespaces.get_mut(ns) else { continue };
             namespace.finds = found::Memo::default();
-            let existed = match doc {
-                Some(doc) => namespace.docs.insert(key, doc).is_some(),
-                None => namespace.docs.remove(&*key).is_some(),
+            let existed = match text {
+                Some(text) => {
+                    // One allocation for the key, shared by the documents and the digest buckets.
+                    let key: Arc<str> = key.into();
+                    let doc = Doc::new(text.clone(), version);
+                    namespace.forget_written(&key, &doc);
+                    namespace.docs.insert(key, doc).is_some()
+                }
+                None => {
+                    namespace.forget_deleted(key);
+                    namespace.docs.remove(key).is_some()
+                }
             };
             if existed != text.is_some() {
                 namespace.keys_version = version;
