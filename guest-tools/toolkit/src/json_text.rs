@@ -91,69 +91,99 @@ pub(crate) fn top_fields(text: &str, names: &[&str]) -> Option<Vec<Option<std::o
 }
 
 /// The first index from `i` of a `"` or a `\\` in `bytes` (`bytes.len()` if none): where a
-/// string's text stops. Sixteen bytes at a time on wasm32 with `simd128` (the plugins build
-/// with it) and on x86-64 (a twin with SSE2: the native build, whose tests check this loop;
-/// the wasm twin is checked only through the plugins' own tests), eight elsewhere: most of a
-/// document's text is inside strings, and a byte loop costs several WebAssembly instructions
-/// per byte. (The same for the brackets outside strings burned more fuel than the byte loop:
-/// they are too close together.)
-fn next_quote_or_escape(bytes: &[u8], mut i: usize) -> usize {
+/// string's text stops.
+fn next_quote_or_escape(bytes: &[u8], i: usize) -> usize {
+    next_string_stop::<false>(bytes, i)
+}
+
+/// The first index from `i` of a `"`, a `\\` or a control byte (below 0x20) in `bytes`
+/// (`bytes.len()` if none): where a string that JSON allows unescaped stops. The host's
+/// canonical check reads strings with it.
+pub fn next_quote_escape_or_control(bytes: &[u8], i: usize) -> usize {
+    next_string_stop::<true>(bytes, i)
+}
+
+/// The first index from `i` of a `"` or a `\\` (and a control byte, with `CONTROLS`) in
+/// `bytes`, `bytes.len()` if none. Sixteen bytes at a time on wasm32 with `simd128` (the
+/// plugins build with it) and on x86-64 (a twin with SSE2: the native build, whose tests check
+/// this loop; the wasm twin is checked only through the plugins' own tests), eight elsewhere:
+/// most of a document's text is inside strings, and a byte loop costs several WebAssembly
+/// instructions per byte. (The same for the brackets outside strings burned more fuel than
+/// the byte loop: they are too close together.)
+#[inline(always)]
+fn next_string_stop<const CONTROLS: bool>(bytes: &[u8], mut i: usize) -> usize {
     #[cfg(any(all(target_arch = "wasm32", target_feature = "simd128"), target_arch = "x86_64"))]
     // `get(i..i + 16)` and a conversion that cannot fail: `get(i..)` with `first_chunk`
     // reads better but took back most of the fuel this loop saves (tried).
     while let Some(chunk) = bytes.get(i..i + 16) {
-        let found = quote_or_escape_mask16(chunk.try_into().unwrap_or(&[0; 16]));
+        let found = stop_mask16::<CONTROLS>(chunk.try_into().unwrap_or(&[0; 16]));
         if found != 0 {
             return i + found.trailing_zeros() as usize;
         }
         i += 16;
     }
     while let Some(chunk) = bytes.get(i..i + 8) {
-        let found = quote_or_escape_mask8(u64::from_le_bytes(chunk.try_into().unwrap_or_default()));
+        let found = stop_mask8::<CONTROLS>(u64::from_le_bytes(chunk.try_into().unwrap_or_default()));
         if found != 0 {
             return i + (found.trailing_zeros() / 8) as usize;
         }
         i += 8;
     }
-    while bytes.get(i).is_some_and(|b| !matches!(b, b'"' | b'\\')) {
+    while bytes.get(i).is_some_and(|&b| !(b == b'"' || b == b'\\' || (CONTROLS && b < 0x20))) {
         i += 1;
     }
     i.min(bytes.len())
 }
 
-/// Bit `n` set when byte `n` of `chunk` is a `"` or a `\\`.
+/// Bit `n` set when byte `n` of `chunk` is a `"` or a `\\` (or, with `CONTROLS`, below 0x20).
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-fn quote_or_escape_mask16(chunk: &[u8; 16]) -> u32 {
-    use core::arch::wasm32::{u8x16_bitmask, u8x16_eq, u8x16_splat, v128, v128_or};
+#[inline(always)]
+fn stop_mask16<const CONTROLS: bool>(chunk: &[u8; 16]) -> u32 {
+    use core::arch::wasm32::{u8x16_bitmask, u8x16_eq, u8x16_lt, u8x16_splat, v128, v128_or};
     // SAFETY: `chunk` is 16 readable bytes, read unaligned.
     let x = unsafe { core::ptr::read_unaligned(chunk.as_ptr().cast::<v128>()) };
-    u32::from(u8x16_bitmask(v128_or(u8x16_eq(x, u8x16_splat(b'"')), u8x16_eq(x, u8x16_splat(b'\\')))))
+    let mut found = v128_or(u8x16_eq(x, u8x16_splat(b'"')), u8x16_eq(x, u8x16_splat(b'\\')));
+    if CONTROLS {
+        found = v128_or(found, u8x16_lt(x, u8x16_splat(0x20)));
+    }
+    u32::from(u8x16_bitmask(found))
 }
 
-/// Bit `n` set when byte `n` of `chunk` is a `"` or a `\\`.
+/// Bit `n` set when byte `n` of `chunk` is a `"` or a `\\` (or, with `CONTROLS`, below 0x20).
 #[cfg(target_arch = "x86_64")]
-fn quote_or_escape_mask16(chunk: &[u8; 16]) -> u32 {
+#[inline(always)]
+fn stop_mask16<const CONTROLS: bool>(chunk: &[u8; 16]) -> u32 {
     use core::arch::x86_64::{
-        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
+        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_min_epu8, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
     };
     // SAFETY: SSE2 is part of x86-64; `chunk` is 16 readable bytes, read unaligned.
     unsafe {
         let x = _mm_loadu_si128(chunk.as_ptr().cast::<__m128i>());
-        let found =
+        let mut found =
             _mm_or_si128(_mm_cmpeq_epi8(x, _mm_set1_epi8(b'"' as i8)), _mm_cmpeq_epi8(x, _mm_set1_epi8(b'\\' as i8)));
+        if CONTROLS {
+            // Unsigned `x <= 0x1f`: SSE2 compares bytes as signed, but has an unsigned minimum.
+            found = _mm_or_si128(found, _mm_cmpeq_epi8(_mm_min_epu8(x, _mm_set1_epi8(0x1f)), x));
+        }
         _mm_movemask_epi8(found) as u32
     }
 }
 
-/// The high bit of each byte of `x` that is a `"` or a `\\`: exact for the lowest byte set,
-/// the only one read (a borrow may also set it in bytes above a match).
-fn quote_or_escape_mask8(x: u64) -> u64 {
+/// The high bit of each byte of `x` that is a `"` or a `\\` (or, with `CONTROLS`, below
+/// 0x20): exact for the lowest byte set, the only one read (a borrow may also set it in bytes
+/// above a match).
+#[inline(always)]
+fn stop_mask8<const CONTROLS: bool>(x: u64) -> u64 {
     const ONES: u64 = 0x0101_0101_0101_0101;
+    const HIGH: u64 = ONES << 7;
+    // Bytes below `n` (n <= 0x80): a byte >= 0x80 has its high bit set, so `!x` clears it.
+    let below = |n: u8| x.wrapping_sub(ONES * n as u64) & !x & HIGH;
     let equal = |b: u8| {
         let y = x ^ (ONES * b as u64);
-        y.wrapping_sub(ONES) & !y & (ONES << 7)
+        y.wrapping_sub(ONES) & !y & HIGH
     };
-    equal(b'"') | equal(b'\\')
+    let found = equal(b'"') | equal(b'\\');
+    if CONTROLS { found | below(0x20) } else { found }
 }
 
 /// Reads the structure of JSON text without building anything.
@@ -383,5 +413,47 @@ pub(crate) mod tests {
         }
         // Past the end (after a backslash that ends the text): the end.
         assert_eq!(next_quote_or_escape(b"ab", 3), 2);
+    }
+
+    /// Bytes where stops are common: quotes, backslashes, control bytes, the bytes just past
+    /// each, and high bytes (which the eight-byte test must not take for small ones).
+    fn stop_heavy_byte() -> impl Strategy<Value = u8> {
+        prop_oneof![
+            6 => any::<u8>(),
+            1 => Just(b'"'),
+            1 => Just(b'\\'),
+            1 => Just(b'#'),
+            1 => Just(b']'),
+            1 => Just(b' '),
+            1 => 0u8..0x20,
+            1 => 0x7fu8..=0xff,
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn a_string_stops_at_the_first_stop_byte_from_any_start(
+            bytes in proptest::collection::vec(stop_heavy_byte(), 0..80),
+            from in 0usize..81,
+            controls: bool,
+        ) {
+            let from = from.min(bytes.len());
+            let stop = |b: u8| b == b'"' || b == b'\\' || (controls && b < 0x20);
+            let expected = bytes[from..].iter().position(|&b| stop(b)).map_or(bytes.len(), |p| from + p);
+            let found =
+                if controls { next_quote_escape_or_control(&bytes, from) } else { next_quote_or_escape(&bytes, from) };
+            prop_assert_eq!(found, expected);
+        }
+
+        /// The eight-byte test alone (the loop above runs it only on tails here, where
+        /// sixteen-byte chunks come first): its lowest set byte is the first stop.
+        #[test]
+        fn eight_bytes_at_a_time_find_the_first_stop(bytes in proptest::array::uniform8(stop_heavy_byte()), controls: bool) {
+            let stop = |b: u8| b == b'"' || b == b'\\' || (controls && b < 0x20);
+            let x = u64::from_le_bytes(bytes);
+            let mask = if controls { stop_mask8::<true>(x) } else { stop_mask8::<false>(x) };
+            let found = (mask != 0).then(|| (mask.trailing_zeros() / 8) as usize);
+            prop_assert_eq!(found, bytes.iter().position(|&b| stop(b)));
+        }
     }
 }

@@ -87,7 +87,7 @@ pub use sagabox_toolkit::FieldIs;
 /// looks for before the exact test reads the document's structure.
 struct Test<'c> {
     path: &'c [String],
-    value: String,
+    value: std::borrow::Cow<'c, str>,
     member: Option<memchr::memmem::Finder<'static>>,
 }
 
@@ -242,7 +242,7 @@ impl Txn {
             reason: e.to_string(),
         })?;
         self.charge(canonical.len() + ns.len() + key.len())?;
-        self.writes.insert(ns, key, Some(canonical.into()));
+        self.writes.insert(ns, key, Some(Arc::from(&*canonical)));
         Ok(())
     }
 
@@ -308,7 +308,7 @@ impl Txn {
         };
         let question = Question {
             prefix: prefix.to_string(),
-            conditions: tests.iter().map(|t| FieldIs { path: t.path.to_vec(), value: t.value.clone() }).collect(),
+            conditions: tests.iter().map(|t| FieldIs { path: t.path.to_vec(), value: t.value.to_string() }).collect(),
         };
         if let Some(answer) = namespace.finds.get(&question) {
             return answer;
