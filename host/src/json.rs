@@ -157,8 +157,8 @@ impl<'a> Scanner<'a> {
         }
         let start = self.at;
         // Sixteen bytes at a time: most of a document's text is in its strings.
-        self.at = sagabox_toolkit::json_text::next_quote_escape_or_control(self.bytes, start);
-        let end = self.at;
+        let end = sagabox_toolkit::json_text::next_quote_escape_or_control(self.bytes, start);
+        self.at = end;
         self.eat(b'"').then(|| &self.bytes[start..end])
     }
 

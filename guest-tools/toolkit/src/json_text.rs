@@ -176,14 +176,17 @@ fn stop_mask16<const CONTROLS: bool>(chunk: &[u8; 16]) -> u32 {
 fn stop_mask8<const CONTROLS: bool>(x: u64) -> u64 {
     const ONES: u64 = 0x0101_0101_0101_0101;
     const HIGH: u64 = ONES << 7;
-    // Bytes below `n` (n <= 0x80): a byte >= 0x80 has its high bit set, so `!x` clears it.
-    let below = |n: u8| x.wrapping_sub(ONES * n as u64) & !x & HIGH;
     let equal = |b: u8| {
         let y = x ^ (ONES * b as u64);
         y.wrapping_sub(ONES) & !y & HIGH
     };
     let found = equal(b'"') | equal(b'\\');
-    if CONTROLS { found | below(0x20) } else { found }
+    if !CONTROLS {
+        return found;
+    }
+    // Bytes below 0x20 borrow when 0x20 is taken from them; `!x` keeps out bytes of 0x80 and
+    // more, whose high bit is already set.
+    found | (x.wrapping_sub(ONES * 0x20) & !x & HIGH)
 }
 
 /// Reads the structure of JSON text without building anything.
