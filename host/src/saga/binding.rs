@@ -9,6 +9,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
@@ -71,7 +72,7 @@ impl BindingPath {
         let fail = |reason: String| BindingError { path: self.text.clone(), reason };
         let mut at = match &self.root {
             Root::Input => scope.input,
-            Root::Step(id) => scope.steps.get(id).ok_or_else(|| fail(format!("step '{id}' has no output")))?,
+            Root::Step(id) => &**scope.steps.get(id).ok_or_else(|| fail(format!("step '{id}' has no output")))?,
         };
         let mut walked = match &self.root {
             Root::Input => "$.input".to_string(),
@@ -142,7 +143,7 @@ fn parse_segments(mut rest: &str) -> Result<Vec<Segment>, String> {
 /// What bindings read.
 pub struct Scope<'a> {
     pub input: &'a Value,
-    pub steps: &'a BTreeMap<String, Value>,
+    pub steps: &'a BTreeMap<String, Arc<Value>>,
 }
 
 /// The path of a binding object, if `value` is one.
@@ -210,9 +211,9 @@ mod tests {
     use super::*;
     use serde_json::json;
 
-    fn scope_values() -> (Value, BTreeMap<String, Value>) {
+    fn scope_values() -> (Value, BTreeMap<String, Arc<Value>>) {
         let input = json!({ "flight": { "number": "HAT001", "legs": [ { "to": "JFK" } ] } });
-        let steps = BTreeMap::from([("hotel".to_string(), json!({ "address": "1 Main St", "odd.key": 7 }))]);
+        let steps = BTreeMap::from([("hotel".to_string(), Arc::new(json!({ "address": "1 Main St", "odd.key": 7 })))]);
         (input, steps)
     }
 

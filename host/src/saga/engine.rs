@@ -90,7 +90,8 @@ struct StepFailure {
 /// it has one, is in [`Progress::outputs`].
 #[derive(Clone, Debug)]
 struct Completed {
-    args: Value,
+    /// Shared with the step's started events: copying a `Completed` copies no tree.
+    args: Arc<Value>,
     key: String,
     lost: bool,
 }
@@ -104,7 +105,7 @@ struct Progress {
     /// Whether each step is in `completed`.
     done: Vec<bool>,
     /// Outputs of the completed steps, by step id: what `$.steps.<id>` bindings read.
-    outputs: BTreeMap<String, Value>,
+    outputs: BTreeMap<String, Arc<Value>>,
     status: BTreeMap<usize, StepStatus>,
     attempts: BTreeMap<(usize, Phase), u32>,
     failure: Option<StepFailure>,
@@ -137,7 +138,7 @@ impl Progress {
     }
 
     /// Records a step that committed (`output: None` when its reply was lost).
-    fn complete(&mut self, index: usize, id: &str, completed: Completed, output: Option<Value>) {
+    fn complete(&mut self, index: usize, id: &str, completed: Completed, output: Option<Arc<Value>>) {
         if self.is_done(index) {
             return;
         }
@@ -304,7 +305,7 @@ impl<'a> Run<'a> {
 
     /// The output of a completed step.
     pub(super) fn output_of(&self, id: &str) -> Option<Value> {
-        lock(&self.progress).outputs.get(id).cloned()
+        lock(&self.progress).outputs.get(id).map(|o| Value::clone(o))
     }
 
     /// The completed step whose effect `key` names, with its output.
@@ -313,7 +314,7 @@ impl<'a> Run<'a> {
         let (index, _) = &progress.completed[*progress.by_key.get(key)?];
         let index = *index;
         let id = &self.step(index).id;
-        Some((id.clone(), progress.outputs.get(id).cloned().unwrap_or(Value::Null)))
+        Some((id.clone(), progress.outputs.get(id).map_or(Value::Null, |o| Value::clone(o))))
     }
 
     /// The completed steps in completion order: step, arguments, output, idempotency key.
@@ -324,7 +325,8 @@ impl<'a> Run<'a> {
             .iter()
             .map(|(i, c)| {
                 let step = self.step(*i);
-                (step, c.args.clone(), progress.outputs.get(&step.id).cloned(), c.key.clone())
+                let output = progress.outputs.get(&step.id).map(|o| Value::clone(o));
+                (step, Value::clone(&c.args), output, c.key.clone())
             })
             .collect()
     }
@@ -496,7 +498,7 @@ impl<'a> Run<'a> {
         }
         // Arguments are bound again: binding is deterministic given the input and the
         // outputs of the steps completed before.
-        let args = self.bind(step).unwrap_or(Value::Null);
+        let args = Arc::new(self.bind(step).unwrap_or(Value::Null));
         let key = event.idempotency_key.clone().unwrap_or_default();
         let output = if lost { None } else { event.data.clone() };
         let mut progress = lock(&self.progress);
@@ -507,12 +509,13 @@ impl<'a> Run<'a> {
     /// Records the run's start, or rebuilds an interrupted run and records its resumption.
     pub(super) fn begin(&self) {
         if self.options.resume.is_empty() {
-            self.emit(Event::new(EventKind::SagaStarted).data(json!({
-                "saga": self.saga.name,
-                "seed": self.options.seed,
-                "input": self.options.input,
-                "faults": self.options.faults,
-            })));
+            // The input cloned, not through `json!`, which would serialize it into a new tree.
+            let mut data = serde_json::Map::new();
+            data.insert("saga".into(), Value::String(self.saga.name.clone()));
+            data.insert("seed".into(), self.options.seed.into());
+            data.insert("input".into(), self.options.input.clone());
+            data.insert("faults".into(), json!(self.options.faults));
+            self.emit(Event::new(EventKind::SagaStarted).data(Value::Object(data)));
             return;
         }
         self.restore();
@@ -653,7 +656,7 @@ impl<'a> Run<'a> {
 
     async fn forward_attempts(&self, index: usize, step: &PlannedStep) -> bool {
         let args = match self.bind(step) {
-            Ok(args) => args,
+            Ok(args) => Arc::new(args),
             Err(message) => {
                 lock(&self.progress).attempts.insert((index, Phase::Action), 0);
                 self.fail(index, ErrorInfo { code: "binding".into(), kind: FailureKind::InvalidInput, message });
@@ -685,7 +688,7 @@ impl<'a> Run<'a> {
             match outcome {
                 Attempt::Delivered { output } => {
                     let completed = Completed { args: args.clone(), key: key.clone(), lost: false };
-                    lock(&self.progress).complete(index, &step.id, completed, Some(output));
+                    lock(&self.progress).complete(index, &step.id, completed, Some(Arc::new(output)));
                     if fault == Some(Fault::Repeat) {
                         // A second delivery of the same call must not apply it again.
                         self.attempt(&call, attempt, None).await;
@@ -1003,7 +1006,7 @@ impl<'a> Run<'a> {
         let step = self.step(index);
         let Some(compensator) = &step.compensator else { return Ok(()) };
         let span = tracing::info_span!("compensate", step = %step.id, tool = %compensator.tool);
-        let args = self.compensator_args(step, forward);
+        let args = Arc::new(self.compensator_args(step, forward));
         let canonical = crate::json::canonical(&args);
         let step_id = format!("{}/compensate", step.id);
         let key = idempotency_key_of_text(&self.options.run_id, &step_id, &compensator.tool, &canonical);
@@ -1054,7 +1057,7 @@ impl<'a> Run<'a> {
     /// reply was lost) and idempotency key.
     fn compensator_args(&self, step: &PlannedStep, forward: &Completed) -> Value {
         let progress = lock(&self.progress);
-        let output = if forward.lost { None } else { progress.outputs.get(&step.id).cloned() };
+        let output = if forward.lost { None } else { progress.outputs.get(&step.id).map(|o| Value::clone(o)) };
         let template = step.compensator.as_ref().map_or(&Value::Null, |c| &c.arguments);
         let resolved = binding::resolve(template, &Scope { input: &self.options.input, steps: &progress.outputs });
         let mut args = match resolved {
@@ -1070,7 +1073,7 @@ impl<'a> Run<'a> {
         // Built from clones: `json!` would copy the arguments and output through `to_value`,
         // a serializer that rebuilds every map entry by entry.
         let mut envelope = serde_json::Map::new();
-        envelope.insert("arguments".into(), forward.args.clone());
+        envelope.insert("arguments".into(), Value::clone(&forward.args));
         envelope.insert("output".into(), output.unwrap_or(Value::Null));
         envelope.insert("idempotency_key".into(), Value::String(forward.key.clone()));
         args.insert("forward".into(), Value::Object(envelope));

@@ -75,9 +75,10 @@ pub struct Event {
     pub replayed: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorInfo>,
-    /// Arguments (started events) or output (completed events).
+    /// Arguments (started events) or output (completed events). Shared: a step's arguments
+    /// are the same tree in its started event, in the run's progress and in its compensation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub data: Option<Value>,
+    pub data: Option<Arc<Value>>,
     /// The documents the event's commit wrote, before and after: a resumed run reads its
     /// earlier lives' effects from here.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -214,8 +215,8 @@ impl Event {
         self
     }
 
-    pub fn data(mut self, data: Value) -> Event {
-        self.data = Some(data);
+    pub fn data(mut self, data: impl Into<Arc<Value>>) -> Event {
+        self.data = Some(data.into());
         self
     }
 }
@@ -299,6 +300,23 @@ mod tests {
                 DocWrite { key: "HAT002".into(), ..write(None, Some(r#""text""#)) }
             ]
         );
+    }
+
+    #[test]
+    fn shared_data_is_written_and_read_as_plain_json() {
+        // A line an earlier build wrote, when `data` was not shared: still read, and written
+        // back byte for byte.
+        let line = r#"{"seq":0,"run_id":"r","event":"step_started","at_us":5,"data":{"cabin":"economy","n":[1,2]}}"#;
+        let event: Event = serde_json::from_str(line).unwrap();
+        assert_eq!(event.data.as_deref(), Some(&serde_json::json!({ "cabin": "economy", "n": [1, 2] })));
+        assert_eq!(serde_json::to_string(&event).unwrap(), line);
+        // Two events built from one tree share it.
+        let args = Arc::new(serde_json::json!({ "cabin": "economy" }));
+        let (first, second) = (
+            Event::new(EventKind::StepStarted).data(args.clone()),
+            Event::new(EventKind::StepStarted).data(args.clone()),
+        );
+        assert!(Arc::ptr_eq(first.data.as_ref().unwrap(), second.data.as_ref().unwrap()));
     }
 
     #[test]

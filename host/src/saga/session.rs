@@ -244,7 +244,7 @@ fn recorded_calls(journal: &[Event]) -> Vec<PlannedStep> {
             id: id.clone(),
             name: None,
             tool: tool.clone(),
-            arguments: json!({ "$literal": event.data.clone().unwrap_or(Value::Null) }),
+            arguments: json!({ "$literal": event.data.as_deref().cloned().unwrap_or(Value::Null) }),
             input: None,
             side_effects: event.compensator.is_some(),
             compensator: event
