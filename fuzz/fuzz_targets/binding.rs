@@ -5,7 +5,7 @@
 #![no_main]
 
 use std::collections::BTreeMap;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 
 use libfuzzer_sys::fuzz_target;
 use sagabox::saga::binding::{self, BindingPath, Root, Scope, Segment};
@@ -15,11 +15,11 @@ static INPUT: LazyLock<Value> = LazyLock::new(|| {
     json!({ "flight": { "number": "HAT001", "legs": [ { "to": "JFK" }, [1, 2, { "x": null }] ] },
             "odd.key": { "a[0]": true }, "": 0, "list": [[[]]] })
 });
-static STEPS: LazyLock<BTreeMap<String, Value>> = LazyLock::new(|| {
+static STEPS: LazyLock<BTreeMap<String, Arc<Value>>> = LazyLock::new(|| {
     BTreeMap::from([
-        ("hotel".to_string(), json!({ "address": "1 Main St", "rooms": [101, 102] })),
-        ("s0".to_string(), json!([{ "op_id": "K1" }])),
-        ("".to_string(), json!("empty id")),
+        ("hotel".to_string(), Arc::new(json!({ "address": "1 Main St", "rooms": [101, 102] }))),
+        ("s0".to_string(), Arc::new(json!([{ "op_id": "K1" }]))),
+        ("".to_string(), Arc::new(json!("empty id"))),
     ])
 });
 
