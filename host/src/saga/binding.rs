@@ -74,11 +74,7 @@ impl BindingPath {
             Root::Input => scope.input,
             Root::Step(id) => &**scope.steps.get(id).ok_or_else(|| fail(format!("step '{id}' has no output")))?,
         };
-        let mut walked = match &self.root {
-            Root::Input => "$.input".to_string(),
-            Root::Step(id) => format!("$.steps.{id}"),
-        };
-        for segment in &self.segments {
+        for (walked, segment) in self.segments.iter().enumerate() {
             let next = match segment {
                 Segment::Field(name) => at.get(name.as_str()),
                 Segment::Index(i) => at.get(*i),
@@ -88,14 +84,29 @@ impl BindingPath {
                     Segment::Field(name) => format!("no field '{name}'"),
                     Segment::Index(i) => format!("no item [{i}]"),
                 };
-                fail(format!("{walked} has {what} (it is {})", kind_of(at)))
+                fail(format!("{} has {what} (it is {})", self.first_segments(walked), kind_of(at)))
             })?;
-            match segment {
-                Segment::Field(name) => walked.push_str(&format!(".{name}")),
-                Segment::Index(i) => walked.push_str(&format!("[{i}]")),
-            }
         }
         Ok(at)
+    }
+
+    /// The root and the first `n` segments, as an error names where a lookup stopped; written
+    /// only when one does, not on every lookup.
+    fn first_segments(&self, n: usize) -> String {
+        let mut text = match &self.root {
+            Root::Input => "$.input".to_string(),
+            Root::Step(id) => format!("$.steps.{id}"),
+        };
+        for segment in &self.segments[..n] {
+            match segment {
+                Segment::Field(name) => {
+                    text.push('.');
+                    text.push_str(name);
+                }
+                Segment::Index(i) => text.push_str(&format!("[{i}]")),
+            }
+        }
+        text
     }
 }
 
@@ -280,5 +291,7 @@ mod tests {
         assert!(e.reason.contains("step 'car' has no output"));
         let e = resolve(&json!({ "path": "$.input.flight.legs[3]" }), &scope).unwrap_err();
         assert!(e.reason.contains("no item [3]"));
+        let e = resolve(&json!({ "path": "$.input.flight.legs[0].from" }), &scope).unwrap_err();
+        assert_eq!(e.reason, "$.input.flight.legs[0] has no field 'from' (it is an object with to)");
     }
 }
