@@ -76,7 +76,7 @@ pub struct Event {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ErrorInfo>,
     /// Arguments (started events) or output (completed events). Shared: a step's arguments
-    /// are the same tree in its started event, in the run's progress and in its compensation.
+    /// are one tree in its started events and in the run's progress, which compensation reads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<Arc<Value>>,
     /// The documents the event's commit wrote, before and after: a resumed run reads its
