@@ -133,6 +133,11 @@ impl Progress {
         }
     }
 
+    /// A copy of a completed step's output, for what hands it out or builds on it.
+    fn output_copy(&self, id: &str) -> Option<Value> {
+        self.outputs.get(id).map(|o| Value::clone(o))
+    }
+
     fn is_done(&self, index: usize) -> bool {
         self.done.get(index).copied().unwrap_or(false)
     }
@@ -305,7 +310,7 @@ impl<'a> Run<'a> {
 
     /// The output of a completed step.
     pub(super) fn output_of(&self, id: &str) -> Option<Value> {
-        lock(&self.progress).outputs.get(id).map(|o| Value::clone(o))
+        lock(&self.progress).output_copy(id)
     }
 
     /// The completed step whose effect `key` names, with its output.
@@ -314,7 +319,7 @@ impl<'a> Run<'a> {
         let (index, _) = &progress.completed[*progress.by_key.get(key)?];
         let index = *index;
         let id = &self.step(index).id;
-        Some((id.clone(), progress.outputs.get(id).map_or(Value::Null, |o| Value::clone(o))))
+        Some((id.clone(), progress.output_copy(id).unwrap_or(Value::Null)))
     }
 
     /// The completed steps in completion order: step, arguments, output, idempotency key.
@@ -325,8 +330,7 @@ impl<'a> Run<'a> {
             .iter()
             .map(|(i, c)| {
                 let step = self.step(*i);
-                let output = progress.outputs.get(&step.id).map(|o| Value::clone(o));
-                (step, Value::clone(&c.args), output, c.key.clone())
+                (step, Value::clone(&c.args), progress.output_copy(&step.id), c.key.clone())
             })
             .collect()
     }
@@ -1057,7 +1061,7 @@ impl<'a> Run<'a> {
     /// reply was lost) and idempotency key.
     fn compensator_args(&self, step: &PlannedStep, forward: &Completed) -> Value {
         let progress = lock(&self.progress);
-        let output = if forward.lost { None } else { progress.outputs.get(&step.id).map(|o| Value::clone(o)) };
+        let output = if forward.lost { None } else { progress.output_copy(&step.id) };
         let template = step.compensator.as_ref().map_or(&Value::Null, |c| &c.arguments);
         let resolved = binding::resolve(template, &Scope { input: &self.options.input, steps: &progress.outputs });
         let mut args = match resolved {
