@@ -108,8 +108,9 @@ pub fn next_quote_escape_or_control(bytes: &[u8], i: usize) -> usize {
 /// plugins build with it) and on x86-64 (a twin with SSE2: the native build, whose tests check
 /// this loop; the wasm twin is checked only through the plugins' own tests), eight elsewhere:
 /// most of a document's text is inside strings, and a byte loop costs several WebAssembly
-/// instructions per byte. (The same for the brackets outside strings burned more fuel than
-/// the byte loop: they are too close together.)
+/// instructions per byte. (A search for the next bracket outside strings burned more fuel
+/// than the byte loop: they are too close together. `Scan::container_end` reads all of a
+/// chunk's brackets at once instead.)
 #[inline(always)]
 fn next_string_stop<const CONTROLS: bool>(bytes: &[u8], mut i: usize) -> usize {
     #[cfg(any(all(target_arch = "wasm32", target_feature = "simd128"), target_arch = "x86_64"))]
@@ -189,6 +190,56 @@ fn stop_mask8<const CONTROLS: bool>(x: u64) -> u64 {
     found | (x.wrapping_sub(ONES * 0x20) & !x & HIGH)
 }
 
+/// Where a 16-byte chunk holds a `"`, a `\\`, a `{` or `[`, and a `}` or `]`: bit `n` for byte `n`.
+#[cfg(any(all(target_arch = "wasm32", target_feature = "simd128"), target_arch = "x86_64"))]
+struct Marks {
+    quotes: u32,
+    escapes: u32,
+    opens: u32,
+    closes: u32,
+}
+
+/// `[` and `{` (`]` and `}`) differ only in bit 0x20: setting it folds each pair into one
+/// comparison, and no other byte folds onto them.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+fn marks16(chunk: &[u8; 16]) -> Marks {
+    use core::arch::wasm32::{u8x16_bitmask, u8x16_eq, u8x16_splat, v128, v128_or};
+    // SAFETY: `chunk` is 16 readable bytes, read unaligned.
+    let x = unsafe { core::ptr::read_unaligned(chunk.as_ptr().cast::<v128>()) };
+    let folded = v128_or(x, u8x16_splat(0x20));
+    let mask = |v, b: u8| u32::from(u8x16_bitmask(u8x16_eq(v, u8x16_splat(b))));
+    Marks { quotes: mask(x, b'"'), escapes: mask(x, b'\\'), opens: mask(folded, b'{'), closes: mask(folded, b'}') }
+}
+
+/// [`marks16`] with SSE2, for the native build (whose tests check it).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn marks16(chunk: &[u8; 16]) -> Marks {
+    use core::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_loadu_si128, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
+    };
+    // SAFETY: SSE2 is part of x86-64; `chunk` is 16 readable bytes, read unaligned.
+    unsafe {
+        let x = _mm_loadu_si128(chunk.as_ptr().cast::<__m128i>());
+        let folded = _mm_or_si128(x, _mm_set1_epi8(0x20));
+        let mask = |v, b: u8| _mm_movemask_epi8(_mm_cmpeq_epi8(v, _mm_set1_epi8(b as i8))) as u32;
+        Marks { quotes: mask(x, b'"'), escapes: mask(x, b'\\'), opens: mask(folded, b'{'), closes: mask(folded, b'}') }
+    }
+}
+
+/// Bit `n` of the result: the parity of the bits `0..=n` of `bits` (16 of them), i.e. whether
+/// byte `n` of a chunk whose quotes `bits` marks is inside a string that opened in it.
+#[cfg(any(all(target_arch = "wasm32", target_feature = "simd128"), target_arch = "x86_64"))]
+#[inline(always)]
+fn prefix_xor16(mut bits: u32) -> u32 {
+    bits ^= bits << 1;
+    bits ^= bits << 2;
+    bits ^= bits << 4;
+    bits ^= bits << 8;
+    bits & 0xffff
+}
+
 /// Reads the structure of JSON text without building anything.
 struct Scan<'t>(&'t str);
 
@@ -221,14 +272,69 @@ impl<'t> Scan<'t> {
     fn value_end(&self, i: usize) -> Option<usize> {
         match self.bytes().get(i)? {
             b'"' => self.string_end(i),
-            b'{' | b'[' => {
-                let (mut depth, mut j) = (0usize, i);
-                loop {
-                    match self.bytes().get(j)? {
-                        b'"' => {
-                            j = self.string_end(j)?;
-                            continue;
+            b'{' | b'[' => self.container_end(i),
+            _ => {
+                let mut j = i;
+                while self.bytes().get(j).is_some_and(|b| !matches!(b, b',' | b'}' | b']') && !b.is_ascii_whitespace())
+                {
+                    j += 1;
+                }
+                Some(j)
+            }
+        }
+    }
+
+    /// The index just past the object or array that starts at `i`. Sixteen bytes at a time
+    /// where a chunk holds no backslash: its quotes' running parity says which of its brackets
+    /// are inside strings, and only the others are counted, one set bit each. A byte loop
+    /// (with a call per string) cost several WebAssembly instructions per byte, and skipping
+    /// what a lookup does not want is most of reading a large document (tau2's flights).
+    fn container_end(&self, i: usize) -> Option<usize> {
+        let bytes = self.bytes();
+        let (mut depth, mut in_string, mut j) = (1usize, false, i + 1);
+        loop {
+            #[cfg(any(all(target_arch = "wasm32", target_feature = "simd128"), target_arch = "x86_64"))]
+            if let Some(chunk) = bytes.get(j..j + 16) {
+                let marks = marks16(chunk.try_into().unwrap_or(&[0; 16]));
+                if marks.escapes == 0 {
+                    let inside = prefix_xor16(marks.quotes) ^ if in_string { 0xffff } else { 0 };
+                    let (opens, closes) = (marks.opens & !inside, marks.closes & !inside);
+                    if (closes.count_ones() as usize) < depth {
+                        depth = depth + opens.count_ones() as usize - closes.count_ones() as usize;
+                    } else {
+                        // This chunk may close the value: its brackets in order.
+                        let mut brackets = opens | closes;
+                        while brackets != 0 {
+                            let at = brackets.trailing_zeros();
+                            if closes & (1 << at) == 0 {
+                                depth += 1;
+                            } else {
+                                depth -= 1;
+                                if depth == 0 {
+                                    return Some(j + at as usize + 1);
+                                }
+                            }
+                            brackets &= brackets - 1;
                         }
+                    }
+                    in_string = inside & 0x8000 != 0;
+                    j += 16;
+                    continue;
+                }
+            }
+            // A byte at a time to the end of this chunk (and past it by an escape's second byte).
+            let until = j + 16;
+            while j < until {
+                let byte = *bytes.get(j)?;
+                if in_string {
+                    match byte {
+                        b'\\' => j += 1,
+                        b'"' => in_string = false,
+                        _ => {}
+                    }
+                } else {
+                    match byte {
+                        b'"' => in_string = true,
                         b'{' | b'[' => depth += 1,
                         b'}' | b']' => {
                             depth -= 1;
@@ -238,16 +344,8 @@ impl<'t> Scan<'t> {
                         }
                         _ => {}
                     }
-                    j += 1;
                 }
-            }
-            _ => {
-                let mut j = i;
-                while self.bytes().get(j).is_some_and(|b| !matches!(b, b',' | b'}' | b']') && !b.is_ascii_whitespace())
-                {
-                    j += 1;
-                }
-                Some(j)
+                j += 1;
             }
         }
     }
@@ -342,6 +440,63 @@ pub(crate) mod tests {
 
     pub(crate) fn lookup<'v>(doc: &'v Value, path: &[&str]) -> Option<&'v Value> {
         path.iter().try_fold(doc, |v, p| v.get(*p))
+    }
+
+    /// What `Scan::container_end` must give: the byte loop it replaced, with a call per string.
+    fn container_end_bytewise(text: &str, i: usize) -> Option<usize> {
+        let scan = Scan(text);
+        let (mut depth, mut j) = (0usize, i);
+        loop {
+            match text.as_bytes().get(j)? {
+                b'"' => {
+                    j = scan.string_end(j)?;
+                    continue;
+                }
+                b'{' | b'[' => depth += 1,
+                b'}' | b']' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        return Some(j + 1);
+                    }
+                }
+                _ => {}
+            }
+            j += 1;
+        }
+    }
+
+    /// Text that starts a container: brackets, quotes and commas close together (as in
+    /// tau2's flights), backslashes rare or absent, so that many chunks take the fast path.
+    fn container_text() -> impl Strategy<Value = String> {
+        const SYMBOLS: [char; 16] = ['{', '}', '[', ']', '{', '}', '"', '"', '"', 'a', 'b', ' ', ',', ':', '7', '\\'];
+        let body = prop::collection::vec(prop::sample::select(&SYMBOLS[..]), 0..400);
+        (prop::bool::ANY, prop::bool::ANY, body).prop_map(|(array, escapes, body)| {
+            let open = if array { '[' } else { '{' };
+            std::iter::once(open).chain(body.into_iter().filter(|&c| escapes || c != '\\')).collect()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 4096, ..ProptestConfig::default() })]
+
+        /// Sixteen bytes at a time, a container ends exactly where the byte loop said, or
+        /// nowhere (unclosed, or a string running off the end) as it said.
+        #[test]
+        fn a_container_ends_where_the_byte_loop_said(text in container_text()) {
+            prop_assert_eq!(Scan(&text).container_end(0), container_end_bytewise(&text, 0), "{}", text);
+        }
+
+        /// The same on documents: every prefix of one's text, canonical or pretty-printed.
+        #[test]
+        fn a_document_ends_where_the_byte_loop_said(doc in json_value(), pretty: bool) {
+            let text = if pretty { serde_json::to_string_pretty(&doc).unwrap() } else { to_json(&doc) };
+            if text.starts_with(['{', '[']) {
+                prop_assert_eq!(Scan(&text).container_end(0), Some(text.len()));
+                for cut in (1..text.len()).filter(|&cut| text.is_char_boundary(cut)) {
+                    prop_assert_eq!(Scan(&text[..cut]).container_end(0), container_end_bytewise(&text[..cut], 0));
+                }
+            }
+        }
     }
 
     proptest! {
