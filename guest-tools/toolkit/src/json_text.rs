@@ -240,6 +240,43 @@ fn prefix_xor16(mut bits: u32) -> u32 {
     bits & 0xffff
 }
 
+/// What a chunk does to the value being skipped.
+#[cfg(any(all(target_arch = "wasm32", target_feature = "simd128"), target_arch = "x86_64"))]
+enum Chunk {
+    /// It ends there: the index in the chunk just past its last bracket.
+    Ends(usize),
+    /// It goes on, this deep, in a string or not, after the chunk.
+    Goes { depth: usize, in_string: bool },
+}
+
+/// What a chunk without backslashes (`marks`) does to a value `depth` deep. Only brackets
+/// outside strings count; they are taken one by one only when there are enough closing ones
+/// to end the value.
+#[cfg(any(all(target_arch = "wasm32", target_feature = "simd128"), target_arch = "x86_64"))]
+#[inline(always)]
+fn end_in_chunk(marks: &Marks, mut depth: usize, in_string: bool) -> Chunk {
+    let inside = prefix_xor16(marks.quotes) ^ if in_string { 0xffff } else { 0 };
+    let (opens, closes) = (marks.opens & !inside, marks.closes & !inside);
+    if (closes.count_ones() as usize) < depth {
+        depth = depth + opens.count_ones() as usize - closes.count_ones() as usize;
+    } else {
+        let mut brackets = opens | closes;
+        while brackets != 0 {
+            let at = brackets.trailing_zeros();
+            if closes & (1 << at) == 0 {
+                depth += 1;
+            } else {
+                depth -= 1;
+                if depth == 0 {
+                    return Chunk::Ends(at as usize + 1);
+                }
+            }
+            brackets &= brackets - 1;
+        }
+    }
+    Chunk::Goes { depth, in_string: inside & 0x8000 != 0 }
+}
+
 /// Reads the structure of JSON text without building anything.
 struct Scan<'t>(&'t str);
 
@@ -294,56 +331,31 @@ impl<'t> Scan<'t> {
         let (mut depth, mut in_string, mut j) = (1usize, false, i + 1);
         loop {
             #[cfg(any(all(target_arch = "wasm32", target_feature = "simd128"), target_arch = "x86_64"))]
-            if let Some(chunk) = bytes.get(j..j + 16) {
-                let marks = marks16(chunk.try_into().unwrap_or(&[0; 16]));
-                if marks.escapes == 0 {
-                    let inside = prefix_xor16(marks.quotes) ^ if in_string { 0xffff } else { 0 };
-                    let (opens, closes) = (marks.opens & !inside, marks.closes & !inside);
-                    if (closes.count_ones() as usize) < depth {
-                        depth = depth + opens.count_ones() as usize - closes.count_ones() as usize;
-                    } else {
-                        // This chunk may close the value: its brackets in order.
-                        let mut brackets = opens | closes;
-                        while brackets != 0 {
-                            let at = brackets.trailing_zeros();
-                            if closes & (1 << at) == 0 {
-                                depth += 1;
-                            } else {
-                                depth -= 1;
-                                if depth == 0 {
-                                    return Some(j + at as usize + 1);
-                                }
-                            }
-                            brackets &= brackets - 1;
-                        }
-                    }
-                    in_string = inside & 0x8000 != 0;
-                    j += 16;
-                    continue;
+            if let Some(marks) = bytes.get(j..j + 16).map(|c| marks16(c.try_into().unwrap_or(&[0; 16])))
+                && marks.escapes == 0
+            {
+                match end_in_chunk(&marks, depth, in_string) {
+                    Chunk::Ends(end) => return Some(j + end),
+                    Chunk::Goes { depth: after, in_string: inside } => (depth, in_string) = (after, inside),
                 }
+                j += 16;
+                continue;
             }
             // A byte at a time to the end of this chunk (and past it by an escape's second byte).
             let until = j + 16;
             while j < until {
-                let byte = *bytes.get(j)?;
-                if in_string {
-                    match byte {
-                        b'\\' => j += 1,
-                        b'"' => in_string = false,
-                        _ => {}
-                    }
-                } else {
-                    match byte {
-                        b'"' => in_string = true,
-                        b'{' | b'[' => depth += 1,
-                        b'}' | b']' => {
-                            depth -= 1;
-                            if depth == 0 {
-                                return Some(j + 1);
-                            }
+                match (in_string, *bytes.get(j)?) {
+                    (true, b'\\') => j += 1,
+                    (true, b'"') => in_string = false,
+                    (false, b'"') => in_string = true,
+                    (false, b'{' | b'[') => depth += 1,
+                    (false, b'}' | b']') => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(j + 1);
                         }
-                        _ => {}
                     }
+                    _ => {}
                 }
                 j += 1;
             }
