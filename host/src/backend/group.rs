@@ -14,7 +14,7 @@
 //! whose transactions took a tenth of that, and a transaction held 8 steps, not 70.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
@@ -107,7 +107,7 @@ impl<R, O> Group<R, O> {
                 Turn::Lead | Turn::Waiting => {}
             }
         }
-        Leading { group: self, batch: Vec::new(), own }.write_until_own_is_done(write)
+        Leading { group: self, batch: Vec::new(), own, passed_on: false }.write_until_own_is_done(write)
     }
 
     /// Batches written so far.
@@ -128,6 +128,8 @@ struct Leading<'a, R, O> {
     /// The slots of the batch being written.
     batch: Vec<Arc<Slot<O>>>,
     own: Arc<Slot<O>>,
+    /// Whether the lead was passed on: what is left to do if the leader stops before.
+    passed_on: bool,
 }
 
 impl<R, O> Leading<'_, R, O> {
@@ -145,6 +147,7 @@ impl<R, O> Leading<'_, R, O> {
             queue.writing_time += took;
             if let Some(outcome) = own {
                 pass_the_lead(&mut queue);
+                self.passed_on = true;
                 return outcome.ok_or(LeaderPanicked);
             }
         }
@@ -180,7 +183,9 @@ impl<R, O> Leading<'_, R, O> {
 
 impl<R, O> Drop for Leading<'_, R, O> {
     fn drop(&mut self) {
-        if !std::thread::panicking() {
+        // Not `thread::panicking()`: a commit made while the thread unwinds from another
+        // panic (in a `Drop`) ends normally, and its lead must not be passed on twice.
+        if self.passed_on {
             return;
         }
         for slot in self.batch.drain(..) {
@@ -196,7 +201,7 @@ impl<R, O> Drop for Leading<'_, R, O> {
 }
 
 /// Wakes the first caller still queued to lead the next batch, or leaves the lead free.
-fn pass_the_lead<R, O>(queue: &mut MutexGuard<'_, Queue<R, O>>) {
+fn pass_the_lead<R, O>(queue: &mut Queue<R, O>) {
     match queue.waiting.front() {
         Some((_, next)) => next.give(Turn::Lead),
         None => queue.leading = false,
@@ -374,5 +379,27 @@ mod tests {
         assert_eq!(outcome.expect("the caller queued behind the panicked leader was never woken").unwrap(), 101);
         assert!(leader.join().unwrap().is_err(), "the leader's panic reaches its caller");
         queued.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_commit_made_while_the_thread_unwinds_ends_normally_and_frees_the_lead() {
+        struct CommitsOnDrop(Arc<Group<u32, u32>>, std::sync::mpsc::Sender<Result<u32, LeaderPanicked>>);
+        impl Drop for CommitsOnDrop {
+            fn drop(&mut self) {
+                self.1.send(self.0.submit(7, |batch| batch.iter().map(|r| r + 1).collect())).unwrap();
+            }
+        }
+        let group = Arc::new(Group::<u32, u32>::new(8));
+        let (sent, outcome) = std::sync::mpsc::channel();
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _on_drop = CommitsOnDrop(group.clone(), sent);
+            panic!("another failure");
+        }));
+        assert!(unwound.is_err());
+        assert_eq!(outcome.recv().unwrap().unwrap(), 8);
+        let queue = lock(&group.queue);
+        assert!(queue.waiting.is_empty() && !queue.leading, "the lead was left taken");
+        drop(queue);
+        assert_eq!(group.submit(1, |batch| batch).unwrap(), 1);
     }
 }
