@@ -52,10 +52,19 @@ static WORKERS: Mutex<Vec<Child>> = Mutex::new(Vec::new());
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 impl Fresh {
-    /// A database at `place`, remembered until dropped.
-    fn remembered(place: Place, durability: Durability) -> Fresh {
-        lock(&LEFTOVERS).push(place.clone());
-        Fresh { place, durability }
+    /// Makes a database at `place` with `make` and remembers it until dropped, under the
+    /// leftovers' lock: an interrupt either finds it there or comes first, and then nothing
+    /// is made. Made first and remembered after, a schema that an interrupt came between
+    /// was left behind (CI saw it once).
+    fn made(place: Place, durability: Durability, make: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<Fresh> {
+        let mut leftovers = lock(&LEFTOVERS);
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            drop(leftovers);
+            wait_for_exit();
+        }
+        make()?;
+        leftovers.push(place.clone());
+        Ok(Fresh { place, durability })
     }
 
     fn label(&self) -> String {
@@ -113,14 +122,13 @@ pub fn remove_leftovers() {
 
 fn fresh_sqlite(durability: Durability) -> anyhow::Result<Fresh> {
     let dir = std::env::temp_dir().join(format!("sagabox-bench-{}", sagabox::ids::new_run_id()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(Fresh::remembered(Place::Dir(dir), durability))
+    Fresh::made(Place::Dir(dir.clone()), durability, || Ok(std::fs::create_dir_all(&dir)?))
 }
 
 fn fresh_postgres(server: &str, tag: &str, durability: Durability) -> anyhow::Result<Fresh> {
     let schema = format!("sagabox_bench_{tag}_{}", std::process::id());
-    pg_execute(server, &format!("DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"))?;
-    Ok(Fresh::remembered(Place::Schema { server: server.to_string(), schema }, durability))
+    let sql = format!("DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}");
+    Fresh::made(Place::Schema { server: server.to_string(), schema }, durability, || pg_execute(server, &sql))
 }
 
 /// What `--durability` sets on PostgreSQL.
