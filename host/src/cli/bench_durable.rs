@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use sagabox::backend::{self, Backend, Durability, RunRecord};
@@ -52,16 +52,11 @@ static WORKERS: Mutex<Vec<Child>> = Mutex::new(Vec::new());
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 impl Fresh {
-    /// Makes a database at `place` with `make` and remembers it until dropped, under the
-    /// leftovers' lock: an interrupt either finds it there or comes first, and then nothing
-    /// is made. Made first and remembered after, a schema that an interrupt came between
-    /// was left behind (CI saw it once).
+    /// Makes a database at `place` with `make` and remembers it until dropped, both under
+    /// the leftovers' lock. Made first and remembered after, a schema that an interrupt
+    /// came between was left behind (CI saw it once).
     fn made(place: Place, durability: Durability, make: impl FnOnce() -> anyhow::Result<()>) -> anyhow::Result<Fresh> {
-        let mut leftovers = lock(&LEFTOVERS);
-        if INTERRUPTED.load(Ordering::SeqCst) {
-            drop(leftovers);
-            wait_for_exit();
-        }
+        let mut leftovers = lock_unless_interrupted(&LEFTOVERS);
         make()?;
         leftovers.push(place.clone());
         Ok(Fresh { place, durability })
@@ -91,8 +86,11 @@ impl Fresh {
 
 impl Drop for Fresh {
     fn drop(&mut self) {
-        lock(&LEFTOVERS).retain(|place| *place != self.place);
+        // Removed while still listed, under the lock: forgotten first, a database that an
+        // interrupt came between stayed.
+        let mut leftovers = lock(&LEFTOVERS);
         self.place.remove();
+        leftovers.retain(|place| *place != self.place);
     }
 }
 
@@ -115,7 +113,8 @@ pub fn remove_leftovers() {
     // Before taking the workers: no worker starts after that (see `start_worker`).
     INTERRUPTED.store(true, Ordering::SeqCst);
     stop_workers();
-    for place in std::mem::take(&mut *lock(&LEFTOVERS)) {
+    // Under the lock throughout: a database being made or removed meanwhile is done first.
+    for place in lock(&LEFTOVERS).drain(..) {
         place.remove();
     }
 }
@@ -476,12 +475,7 @@ fn drain_with_workers(
 
 /// Starts a `sagabox worker` on `db`, kept in [`WORKERS`].
 fn start_worker(exe: &Path, db: &Fresh) -> anyhow::Result<()> {
-    // Under the lock, so that an interrupt either finds this worker there or comes first.
-    let mut workers = lock(&WORKERS);
-    if INTERRUPTED.load(Ordering::SeqCst) {
-        drop(workers);
-        wait_for_exit();
-    }
+    let mut workers = lock_unless_interrupted(&WORKERS);
     let worker = Command::new(exe)
         .args(["worker", "--db", &db.url(), "--until-done", "--concurrency", "16"])
         .arg(format!("--durability={:?}", db.durability).to_lowercase())
@@ -500,6 +494,17 @@ fn stop_workers() {
             eprintln!("warning: cannot stop worker process {}: {e}", worker.id());
         }
     }
+}
+
+/// Locks `list` to add to it: an interrupt then either finds what is added there or came
+/// first, and then nothing is added (the process only waits to exit).
+fn lock_unless_interrupted<T>(list: &Mutex<Vec<T>>) -> MutexGuard<'_, Vec<T>> {
+    let guard = lock(list);
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        drop(guard);
+        wait_for_exit();
+    }
+    guard
 }
 
 /// Interrupted: the process exits once its databases are gone (`bench.rs`). Reporting an
