@@ -924,6 +924,35 @@ mod tests {
         }
     }
 
+    /// The bytes of the data segments of `wasm` (a component), all its core modules together.
+    fn data_bytes(wasm: &[u8]) -> usize {
+        let mut total = 0;
+        for payload in wasmparser::Parser::new(0).parse_all(wasm) {
+            if let Ok(wasmparser::Payload::DataSection(segments)) = payload {
+                total += segments.into_iter().flatten().map(|segment| segment.data.len()).sum::<usize>();
+            }
+        }
+        total
+    }
+
+    /// Every live instance maps its plugin's data segments (the memory image), and the kernel
+    /// maps all of it on the first read: 4 KiB of resident memory per page per instance.
+    /// guest-tools/Cargo.toml builds serde_json's float printer (zmij) at opt-level "s", which
+    /// computes the powers of ten its 17 KB table held (BENCHMARKS item 43). Three plugins
+    /// carry more because their semantics need it: Unicode case mapping (`to_lowercase`, as
+    /// Python's `str.lower`; 11.7 KB) in rental and tau2's retail, float parsing and fixed
+    /// precision printing (rounding to cents as tau2 does; 11.7 KB) in tau2's two domains.
+    #[test]
+    fn bundled_plugins_data_fits_in_seven_pages_or_fourteen_with_unicode_or_float_tables() {
+        let page = 4096;
+        for plugin in crate::bundled::BUNDLED {
+            let bytes = data_bytes(plugin.wasm);
+            let pages = if ["rental", "taubench_airline", "taubench_retail"].contains(&plugin.name) { 14 } else { 7 };
+            assert!(bytes > 0, "{}: no data segments read", plugin.name);
+            assert!(bytes <= pages * page, "{}: {bytes} bytes of data segments, more than {pages} pages", plugin.name);
+        }
+    }
+
     /// The names of the functions that `wasm` (a component) defines, from its core modules'
     /// name sections.
     fn function_names(wasm: &[u8]) -> Vec<String> {
