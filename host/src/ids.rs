@@ -21,15 +21,36 @@ pub fn idempotency_key_of_text(run_id: &str, step_id: &str, tool: &str, canonica
     crate::json::lower_hex(&hasher.finalize())
 }
 
-/// A fresh run id: 16 random hex digits.
+/// A fresh run id: the milliseconds since the Unix epoch in 12 hex digits, then 16 random
+/// ones. Ids made later sort later, so the database's indexes by run id (the journal's, the
+/// run registry's) take each new run at their end, where the runs of one transaction share
+/// pages, not each on a page of its own: a fifth fewer pages written per durable saga
+/// (BENCHMARKS item 43). The random part keeps ids unguessable, and apart within a
+/// millisecond.
 pub fn new_run_id() -> String {
-    format!("{:016x}", rand::random::<u64>())
+    let millis = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    format!("{millis:012x}{:016x}", rand::random::<u64>())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// Ids made later sort later (the database's indexes by run id take new runs at their
+    /// end), and ids made within one millisecond still differ.
+    #[test]
+    fn run_ids_made_later_sort_later_and_never_repeat() {
+        let mut ids = Vec::new();
+        for _ in 0..20 {
+            ids.push(new_run_id());
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        assert!(ids.windows(2).all(|pair| pair[0] < pair[1]), "not in the order they were made: {ids:?}");
+        let burst: std::collections::HashSet<String> = (0..1000).map(|_| new_run_id()).collect();
+        assert_eq!(burst.len(), 1000, "ids made at once repeated");
+        assert!(burst.iter().all(|id| id.len() == 28 && id.bytes().all(|b| b.is_ascii_hexdigit())), "{burst:?}");
+    }
 
     #[test]
     fn keys_depend_on_every_part_and_not_on_key_order() {
