@@ -21,6 +21,12 @@ pub fn idempotency_key_of_text(run_id: &str, step_id: &str, tool: &str, canonica
     crate::json::lower_hex(&hasher.finalize())
 }
 
+/// Unix milliseconds now: what a fresh run id begins with, and the clock of run records'
+/// times and leases.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
 /// A fresh run id: the milliseconds since the Unix epoch in 12 hex digits, then 16 random
 /// ones. Ids made later sort later, so the database's indexes by run id (the journal's, the
 /// run registry's) take each new run at their end, where the runs of one transaction share
@@ -28,8 +34,7 @@ pub fn idempotency_key_of_text(run_id: &str, step_id: &str, tool: &str, canonica
 /// (BENCHMARKS item 43). The random part keeps ids unguessable, and apart within a
 /// millisecond.
 pub fn new_run_id() -> String {
-    let millis = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    format!("{millis:012x}{:016x}", rand::random::<u64>())
+    format!("{:012x}{:016x}", now_ms(), rand::random::<u64>())
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ pub mod memory;
 pub mod postgres;
 pub mod sqlite;
 
+use crate::ids::now_ms;
 use crate::sync::lock;
 use std::path::Path;
 use std::sync::Arc;
@@ -320,8 +321,4 @@ fn duplicate_event(event: &Event) -> String {
 /// The journal record `seq` of `run_id` is already there.
 fn duplicate_record(run_id: &str, seq: u64) -> String {
     format!("run '{run_id}': journal record seq {seq} already exists")
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }

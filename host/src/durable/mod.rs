@@ -17,10 +17,7 @@ use crate::runtime::Runtime;
 use crate::saga::session::{self, SESSION_SOURCE};
 use crate::saga::{self, RunOptions, RunReport, Saga};
 
-/// Unix milliseconds now.
-pub fn now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
-}
+pub use crate::ids::now_ms;
 
 /// Whether the process holding `run` may still be running it at `now_ms`.
 pub fn holder_alive(run: &RunRecord, now_ms: u64) -> bool {
