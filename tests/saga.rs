@@ -333,6 +333,34 @@ async fn a_whole_saga_time_out_compensates_what_completed() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn a_runs_results_are_cached_under_the_run_and_its_plugins_see_the_bare_key() {
+    // Under the run: a transaction's results share the cache index's last pages.
+    let dir = tempfile::tempdir().unwrap();
+    let steps = [
+        allocate("a", 10),
+        json!({ "id": "b", "action": { "name": "resources.allocate", "arguments": { "pool_id": "p" } },
+        "input": { "amount": { "path": "$.steps.a.no_such_field" } } }),
+    ];
+    let saga = temp_saga(dir.path(), "cached", json!({ "steps": steps })).await.unwrap();
+    let backend = MemoryBackend::new(pools());
+    let report = saga::run(shared_runtime().await, &saga, &backend, RunOptions::new("run-7", json!({}))).await;
+    assert_eq!(report.status, Status::Failed);
+    let delivered = [EventKind::StepCompleted, EventKind::CompensationCompleted];
+    let keys: Vec<&str> = report
+        .events
+        .iter()
+        .filter(|e| delivered.contains(&e.event))
+        .map(|e| e.idempotency_key.as_deref().unwrap())
+        .collect();
+    assert_eq!(keys.len(), 2, "a's action and its compensation");
+    for key in keys {
+        assert_eq!(key.len(), 64, "the key a plugin sees changed: {key}");
+        assert!(backend.cached(&format!("run-7/{key}")).is_some(), "{key} is not cached under its run");
+        assert_eq!(backend.cached(key), None, "{key} is cached bare too");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn a_binding_failure_at_step_k_compensates_the_steps_before_it() {
     let dir = tempfile::tempdir().unwrap();
     let saga = temp_saga(

@@ -68,6 +68,8 @@ CREATE INDEX runs_by_status ON runs (status, started_ms);
 DROP INDEX runs_by_status;
 CREATE INDEX runs_queue ON runs (status, started_ms, run_id);
 ",
+    // A run's results cached under the run (`ids::cache_key`), old ones copied there too.
+    super::sqlite::RESULTS_UNDER_THEIR_RUNS,
 ];
 
 /// Claims up to $5 runs for this process ($1 its pid, $2 its name) until $3, oldest first:

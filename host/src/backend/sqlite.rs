@@ -87,7 +87,17 @@ const MIGRATIONS: &[&str] = &[
     // 4: the queue's order in full, so that a claim reads the oldest runs off the index.
     "DROP INDEX runs_by_status;
      CREATE INDEX runs_queue ON runs (status, started_ms, run_id);",
+    // 5: a run's results cached under the run (`ids::cache_key`). Each result is copied
+    // under its run, so that runs an earlier sagabox started find theirs when resumed; the
+    // row as it was stays for the client-named keys among them.
+    RESULTS_UNDER_THEIR_RUNS,
 ];
+
+/// The migration that gives every cached result a copy under its run (SQLite's and
+/// PostgreSQL's spelling agree).
+pub(super) const RESULTS_UNDER_THEIR_RUNS: &str = "INSERT INTO results (key, run_id, output)
+     SELECT run_id || '/' || key, run_id, output FROM results WHERE key NOT LIKE '%/%'
+     ON CONFLICT DO NOTHING;";
 
 /// The ids of up to ?2 runs a claim takes, oldest first: queued runs, running ones another
 /// process (not ?3) holds whose lease ran out before ?1 (now), and running ones this process
@@ -162,14 +172,26 @@ fn insert_run(conn: &Connection, run: &RunRecord) -> rusqlite::Result<()> {
 }
 
 /// Brings the schema to the newest version, in one transaction.
-fn migrate(conn: &mut Connection) -> rusqlite::Result<()> {
-    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    let version: i64 = tx.query_row("SELECT value FROM meta WHERE name = 'schema'", [], |r| r.get(0))?;
-    for (n, sql) in MIGRATIONS.iter().enumerate().skip((version - 1).max(0) as usize) {
-        tx.execute_batch(sql)?;
-        tx.execute("UPDATE meta SET value = ?1 WHERE name = 'schema'", params![n as i64 + 2])?;
+/// A database of a newer schema is refused: this sagabox might look for what it holds (its
+/// cached results, say) where it no longer keeps it.
+fn migrate(conn: &mut Connection) -> Result<(), String> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(|e| e.to_string())?;
+    let version: i64 =
+        tx.query_row("SELECT value FROM meta WHERE name = 'schema'", [], |r| r.get(0)).map_err(|e| e.to_string())?;
+    let known = MIGRATIONS.len() as i64 + 1;
+    if version > known {
+        return Err(format!(
+            "the database's schema is version {version}, newer than this sagabox's ({known}): upgrade sagabox"
+        ));
     }
-    tx.commit()
+    let apply = |n: usize, sql: &str| {
+        tx.execute_batch(sql)?;
+        tx.execute("UPDATE meta SET value = ?1 WHERE name = 'schema'", params![n as i64 + 2]).map(drop)
+    };
+    for (n, sql) in MIGRATIONS.iter().enumerate().skip((version - 1).max(0) as usize) {
+        apply(n, sql).map_err(|e| e.to_string())?;
+    }
+    tx.commit().map_err(|e| e.to_string())
 }
 
 /// The SQLite backend.
@@ -329,7 +351,7 @@ impl SqliteBackend {
         };
         conn.pragma_update(None, "synchronous", sync).map_err(fail)?;
         conn.execute_batch(SCHEMA).map_err(fail)?;
-        migrate(&mut conn).map_err(fail)?;
+        migrate(&mut conn).map_err(|error| DbError { db: path.display().to_string(), error })?;
         let reader = connect(path, flags).map_err(fail)?;
         reader.pragma_update(None, "query_only", true).map_err(fail)?;
         let checkpoints = connect(path, flags).map_err(fail)?;
@@ -1071,6 +1093,38 @@ mod tests {
         let sql = conn.query_row("SELECT sql FROM sqlite_master WHERE name = 'events'", [], |r| r.get(0)).unwrap();
         let schema = conn.query_row("SELECT value FROM meta WHERE name = 'schema'", [], |r| r.get(0)).unwrap();
         (sql, schema)
+    }
+
+    #[test]
+    fn results_an_earlier_sagabox_cached_are_found_under_their_runs_and_a_newer_schema_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db.sqlite");
+        // A database as schema 4 left it: results cached under their bare keys.
+        let old = Connection::open(&path).unwrap();
+        old.execute_batch(&format!(
+            "{SCHEMA}{}; UPDATE meta SET value = 4 WHERE name = 'schema';",
+            MIGRATIONS[..3].join(";")
+        ))
+        .unwrap();
+        old.execute_batch(
+            r#"INSERT INTO results VALUES ('k1', 'r1', '"booked"'), ('client-key', 'r2', '{"paid":3}');"#,
+        )
+        .unwrap();
+        drop(old);
+        let db = open(&path);
+        // A resumed run looks its results up under itself...
+        assert_eq!(db.cached("r1/k1"), Some(json!("booked")));
+        assert_eq!(db.cached("r2/client-key"), Some(json!({ "paid": 3 })));
+        // ...a client's retry under its own key, whichever run it comes in.
+        assert_eq!(db.cached("client-key"), Some(json!({ "paid": 3 })));
+        drop(db);
+        assert_eq!(open(&path).cached("r1/k1"), Some(json!("booked")), "migrated twice");
+
+        let newer = Connection::open(&path).unwrap();
+        newer.execute("UPDATE meta SET value = value + 1 WHERE name = 'schema'", []).unwrap();
+        drop(newer);
+        let refused = SqliteBackend::open(&path, Durability::Normal).err().expect("a newer schema was opened");
+        assert!(refused.error.contains("newer than this sagabox's"), "{}", refused.error);
     }
 
     #[test]

@@ -30,7 +30,7 @@ use super::journal::{DocWrite, ErrorInfo, Event, EventKind, JournalSink};
 use super::plan::{Plan, PlannedStep, merge_args};
 use super::report::{CompensationFailure, NetChange, RunReport, Status, StepReport, StepStatus};
 use crate::backend::{Backend, CommitError};
-use crate::ids::idempotency_key_of_text;
+use crate::ids::{cache_key, idempotency_key_of_text};
 use crate::json::DocText;
 use crate::runtime::{
     CallArgs, CallContext, CallError, CallFailure, CallOptions, CommitAttempt, FailureKind, InjectedFault, Runtime,
@@ -237,6 +237,8 @@ struct Call<'a> {
     /// With their canonical text, printed once for the key and handed to every attempt.
     args: CallArgs<'a>,
     key: &'a str,
+    /// Where its result is cached ([`crate::ids::cache_key`]).
+    cache_key: &'a str,
 }
 
 /// What one attempt of a call came to.
@@ -346,9 +348,9 @@ impl<'a> Run<'a> {
         lock(&self.progress).timed_out
     }
 
-    /// The result of an earlier delivery of the call `key` names, from the backend's cache.
-    pub(super) fn cached(&self, key: &str) -> Option<Value> {
-        self.blocking(|| self.backend.cached(key))
+    /// The result of an earlier delivery of the call cached under `cache_key`.
+    pub(super) fn cached(&self, cache_key: &str) -> Option<Value> {
+        self.blocking(|| self.backend.cached(cache_key))
     }
 
     /// Records a call answered from the cache without becoming a step of this run.
@@ -672,6 +674,7 @@ impl<'a> Run<'a> {
             .key
             .clone()
             .unwrap_or_else(|| idempotency_key_of_text(&self.options.run_id, &step.id, &step.tool, &canonical));
+        let cache_key = cache_key(&self.options.run_id, &key, step.client_key);
         let call = Call {
             step,
             phase: Phase::Action,
@@ -679,6 +682,7 @@ impl<'a> Run<'a> {
             side_effects: step.side_effects,
             args: CallArgs::with_canonical(&args, &canonical),
             key: &key,
+            cache_key: &cache_key,
         };
         let fault = self.options.faults.get(&step.id, Phase::Action);
         let mut attempt = 0;
@@ -814,7 +818,7 @@ impl<'a> Run<'a> {
         if !call.side_effects {
             return None;
         }
-        let output = self.blocking(|| self.backend.cached(call.key))?;
+        let output = self.blocking(|| self.backend.cached(call.cache_key))?;
         self.record_replay(call, attempt, &output);
         Some(output)
     }
@@ -882,7 +886,7 @@ impl<'a> Run<'a> {
                 options,
                 || self.blocking(|| self.backend.snapshot()),
                 |invocation, output| {
-                    let result = (call.side_effects && !lost).then_some((call.key, output));
+                    let result = (call.side_effects && !lost).then_some((call.cache_key, output));
                     match self.commit(&invocation.txn, result, vec![record(output)]) {
                         Ok(()) => CommitAttempt::Committed(()),
                         Err(CommitError::Conflict(conflict)) => CommitAttempt::Conflict(conflict),
@@ -1014,6 +1018,7 @@ impl<'a> Run<'a> {
         let canonical = crate::json::canonical(&args);
         let step_id = format!("{}/compensate", step.id);
         let key = idempotency_key_of_text(&self.options.run_id, &step_id, &compensator.tool, &canonical);
+        let cache_key = cache_key(&self.options.run_id, &key, false);
         let call = Call {
             step,
             phase: Phase::Compensation,
@@ -1021,6 +1026,7 @@ impl<'a> Run<'a> {
             side_effects: true,
             args: CallArgs::with_canonical(&args, &canonical),
             key: &key,
+            cache_key: &cache_key,
         };
         let fault = self.options.faults.get(&step.id, Phase::Compensation);
         async {

@@ -41,6 +41,9 @@ pub struct PlannedStep {
     /// The idempotency key, when fixed in advance (a session call whose client named one);
     /// otherwise derived from the run, the step and the arguments.
     pub key: Option<String>,
+    /// Whether `key` is one a client named: its result is then cached for every run, not
+    /// under this one (see [`crate::ids::cache_key`]).
+    pub client_key: bool,
 }
 
 /// A validated saga.
@@ -433,6 +436,7 @@ fn plan_step(
         timeout: step.timeout.map(|t| t.0),
         limits,
         key: None,
+        client_key: false,
     })
 }
 

@@ -19,7 +19,7 @@ use super::plan::{CompensatorPlan, PlannedStep};
 use super::report::RunReport;
 use super::{Companions, Plan, Saga};
 use crate::backend::Backend;
-use crate::ids::idempotency_key;
+use crate::ids::{cache_key, idempotency_key};
 use crate::runtime::{CallError, FailureKind, Runtime};
 use crate::store::State;
 use crate::store::undo::without_writes;
@@ -128,7 +128,8 @@ impl<'a> Session<'a> {
         if let Some((step, output)) = self.run.completed_with_key(&key) {
             return CallOutcome::Completed { step, output, replayed: true };
         }
-        if side_effects && let Some(output) = self.run.cached(&key) {
+        if side_effects && let Some(output) = self.run.cached(&cache_key(self.run.run_id(), &key, client_key.is_some()))
+        {
             // Delivered earlier, in another session: its effect is that session's to undo.
             self.run.record_cached_reply(&id, tool, &key, &output);
             return CallOutcome::Completed { step: id, output, replayed: true };
@@ -146,6 +147,7 @@ impl<'a> Session<'a> {
             timeout: None,
             limits: Default::default(),
             key: Some(key),
+            client_key: client_key.is_some(),
         };
         let Some(index) = self.run.add_step(step) else {
             let error = CallError::Host { tool: tool.into(), reason: "not a session".into() };
@@ -256,6 +258,8 @@ fn recorded_calls(journal: &[Event]) -> Vec<PlannedStep> {
             timeout: None,
             limits: Default::default(),
             key: event.idempotency_key.clone(),
+            // A recorded call is undone, never run again: its result is not looked up.
+            client_key: false,
         });
     }
     steps
