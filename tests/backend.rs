@@ -653,6 +653,31 @@ mod postgres_server {
     }
 
     #[test]
+    fn results_an_earlier_sagabox_cached_are_found_under_their_runs() {
+        let schema = Schema::new("results");
+        drop(PostgresBackend::open(&schema.url).unwrap());
+        // A database as an earlier sagabox left it: results cached under their bare keys.
+        // The migration that moved them (PostgreSQL's fourth, SQLite's schema 5) only copies
+        // rows, so a fresh database without its record is one.
+        execute(&format!(
+            r#"DELETE FROM {0}.sagabox_migrations WHERE version >= 4;
+               INSERT INTO {0}.results VALUES ('k1', 'r1', '"booked"'), ('client-key', 'r2', '{{"paid":3}}')"#,
+            schema.name
+        ));
+        let db = PostgresBackend::open(&schema.url).unwrap();
+        // A resumed run looks its results up under itself...
+        assert_eq!(db.cached("r1/k1"), Some(json!("booked")));
+        assert_eq!(db.cached("r2/client-key"), Some(json!({ "paid": 3 })));
+        // ...a client's retry under its own key, whichever run it comes in.
+        assert_eq!(db.cached("client-key"), Some(json!({ "paid": 3 })));
+        drop(db);
+        let again = PostgresBackend::open(&schema.url).unwrap();
+        assert_eq!(again.cached("r1/k1"), Some(json!("booked")), "migrated twice");
+        let copies = support::postgres::query(&format!("SELECT COUNT(*) FROM {}.results", schema.name));
+        assert_eq!(copies, ["4"], "each result copied once, the old rows kept");
+    }
+
+    #[test]
     fn a_server_out_of_connection_slots_is_waited_for_not_failed() {
         // Many workers on one server can take every connection slot for a moment. A role
         // limited to two connections stands in for a full server: the same refusal (53300,

@@ -233,12 +233,12 @@ struct Call<'a> {
     step: &'a PlannedStep,
     phase: Phase,
     tool: &'a str,
-    side_effects: bool,
     /// With their canonical text, printed once for the key and handed to every attempt.
     args: CallArgs<'a>,
     key: &'a str,
-    /// Where its result is cached ([`crate::ids::cache_key`]).
-    cache_key: &'a str,
+    /// Where its result is cached ([`crate::ids::cache_key`]); none for a call without side
+    /// effects, which is simply run again.
+    cache_key: Option<&'a str>,
 }
 
 /// What one attempt of a call came to.
@@ -670,19 +670,18 @@ impl<'a> Run<'a> {
             }
         };
         let canonical = crate::json::canonical(&args);
-        let key = step
-            .key
-            .clone()
-            .unwrap_or_else(|| idempotency_key_of_text(&self.options.run_id, &step.id, &step.tool, &canonical));
-        let cache_key = cache_key(&self.options.run_id, &key, step.client_key);
+        let key = match step.key.fixed() {
+            Some(key) => key.to_string(),
+            None => idempotency_key_of_text(&self.options.run_id, &step.id, &step.tool, &canonical),
+        };
+        let cache_key = step.side_effects.then(|| cache_key(&self.options.run_id, &key, step.key.is_client_named()));
         let call = Call {
             step,
             phase: Phase::Action,
             tool: &step.tool,
-            side_effects: step.side_effects,
             args: CallArgs::with_canonical(&args, &canonical),
             key: &key,
-            cache_key: &cache_key,
+            cache_key: cache_key.as_deref(),
         };
         let fault = self.options.faults.get(&step.id, Phase::Action);
         let mut attempt = 0;
@@ -815,10 +814,8 @@ impl<'a> Run<'a> {
 
     /// The cached result of a call that already took effect, recorded as a replay.
     fn replay(&self, call: &Call<'_>, attempt: u32) -> Option<Value> {
-        if !call.side_effects {
-            return None;
-        }
-        let output = self.blocking(|| self.backend.cached(call.cache_key))?;
+        let cache_key = call.cache_key?;
+        let output = self.blocking(|| self.backend.cached(cache_key))?;
         self.record_replay(call, attempt, &output);
         Some(output)
     }
@@ -886,7 +883,7 @@ impl<'a> Run<'a> {
                 options,
                 || self.blocking(|| self.backend.snapshot()),
                 |invocation, output| {
-                    let result = (call.side_effects && !lost).then_some((call.cache_key, output));
+                    let result = call.cache_key.filter(|_| !lost).map(|cache_key| (cache_key, output));
                     match self.commit(&invocation.txn, result, vec![record(output)]) {
                         Ok(()) => CommitAttempt::Committed(()),
                         Err(CommitError::Conflict(conflict)) => CommitAttempt::Conflict(conflict),
@@ -1018,15 +1015,15 @@ impl<'a> Run<'a> {
         let canonical = crate::json::canonical(&args);
         let step_id = format!("{}/compensate", step.id);
         let key = idempotency_key_of_text(&self.options.run_id, &step_id, &compensator.tool, &canonical);
+        // A compensator always has effects to undo, so its result is always cached.
         let cache_key = cache_key(&self.options.run_id, &key, false);
         let call = Call {
             step,
             phase: Phase::Compensation,
             tool: &compensator.tool,
-            side_effects: true,
             args: CallArgs::with_canonical(&args, &canonical),
             key: &key,
-            cache_key: &cache_key,
+            cache_key: Some(&cache_key),
         };
         let fault = self.options.faults.get(&step.id, Phase::Compensation);
         async {

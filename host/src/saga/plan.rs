@@ -38,12 +38,34 @@ pub struct PlannedStep {
     pub retry: RetryPolicy,
     pub timeout: Option<Duration>,
     pub limits: LimitOverrides,
-    /// The idempotency key, when fixed in advance (a session call whose client named one);
-    /// otherwise derived from the run, the step and the arguments.
-    pub key: Option<String>,
-    /// Whether `key` is one a client named: its result is then cached for every run, not
-    /// under this one (see [`crate::ids::cache_key`]).
-    pub client_key: bool,
+    pub key: StepKey,
+}
+
+/// A step's idempotency key: what its plugin sees and its journal records, and, through
+/// [`crate::ids::cache_key`], where its result is cached.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum StepKey {
+    /// Derived when the step runs, from the run, the step and its bound arguments.
+    #[default]
+    Derived,
+    /// Fixed in advance from the run (a session's call): cached under the run.
+    OfRun(String),
+    /// Named by a client: cached as it is, since a retry with it may come in another run.
+    ClientNamed(String),
+}
+
+impl StepKey {
+    /// The key, when fixed before the step runs.
+    pub fn fixed(&self) -> Option<&str> {
+        match self {
+            StepKey::Derived => None,
+            StepKey::OfRun(key) | StepKey::ClientNamed(key) => Some(key),
+        }
+    }
+
+    pub fn is_client_named(&self) -> bool {
+        matches!(self, StepKey::ClientNamed(_))
+    }
 }
 
 /// A validated saga.
@@ -435,8 +457,7 @@ fn plan_step(
         retry: step.retry.clone().unwrap_or_default(),
         timeout: step.timeout.map(|t| t.0),
         limits,
-        key: None,
-        client_key: false,
+        key: StepKey::Derived,
     })
 }
 

@@ -15,7 +15,7 @@ use serde_json::{Value, json};
 use super::definition::SagaDef;
 use super::engine::{Run, RunOptions, Steps};
 use super::journal::{ErrorInfo, Event, EventKind};
-use super::plan::{CompensatorPlan, PlannedStep};
+use super::plan::{CompensatorPlan, PlannedStep, StepKey};
 use super::report::RunReport;
 use super::{Companions, Plan, Saga};
 use crate::backend::Backend;
@@ -146,8 +146,10 @@ impl<'a> Session<'a> {
             retry: Default::default(),
             timeout: None,
             limits: Default::default(),
-            key: Some(key),
-            client_key: client_key.is_some(),
+            key: match client_key {
+                Some(_) => StepKey::ClientNamed(key),
+                None => StepKey::OfRun(key),
+            },
         };
         let Some(index) = self.run.add_step(step) else {
             let error = CallError::Host { tool: tool.into(), reason: "not a session".into() };
@@ -257,9 +259,8 @@ fn recorded_calls(journal: &[Event]) -> Vec<PlannedStep> {
             retry: Default::default(),
             timeout: None,
             limits: Default::default(),
-            key: event.idempotency_key.clone(),
             // A recorded call is undone, never run again: its result is not looked up.
-            client_key: false,
+            key: event.idempotency_key.clone().map_or(StepKey::Derived, StepKey::OfRun),
         });
     }
     steps
