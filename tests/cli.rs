@@ -621,6 +621,34 @@ fn the_durable_benchmark_times_whole_ct1_runs() {
     assert!(in_flight * 10 >= alone * 9, "{in_flight} journal bytes per run at 64 in flight, {alone} alone");
 }
 
+/// The memory group's peak is the whole process's (`VmHWM`), so it must run before the
+/// groups that would leave memory resident. Run after the runtime group, its row read a
+/// peak of 162 MiB where alone it read 140: "was 123 MiB before" it started, against 38.
+#[test]
+fn the_memory_benchmark_is_not_swollen_by_the_groups_run_with_it() {
+    let peak_before_memory = |groups: &str| -> f64 {
+        let out = Command::new(env!("CARGO_BIN_EXE_sagabox"))
+            .args(["bench", "--only", groups, "--calls", "200", "--json", "--sagas-dir"])
+            .arg(sagas_dir())
+            .env("SAGABOX_CACHE_DIR", shared_cache())
+            .output()
+            .expect("sagabox runs");
+        assert!(out.status.success(), "{}", stderr(&out));
+        let report: Value = serde_json::from_slice(&out.stdout).expect("the benchmark prints JSON");
+        let rows = report["measurements"].as_array().expect("measurements");
+        let name = rows.iter().filter_map(|r| r["name"].as_str()).find(|n| n.contains("1,000 concurrent CT1 sagas"));
+        let name = name.unwrap_or_else(|| panic!("no memory row in {report}"));
+        let before = name.split("(was ").nth(1).and_then(|t| t.split(" MiB").next()?.parse().ok());
+        before.unwrap_or_else(|| panic!("no peak before the group in '{name}'"))
+    };
+    let alone = peak_before_memory("memory");
+    let with_runtime = peak_before_memory("runtime,memory");
+    assert!(
+        with_runtime <= alone + 5.0,
+        "peak before the memory group: {with_runtime} MiB after the runtime group, {alone} alone"
+    );
+}
+
 /// Worker processes frozen with SIGSTOP; killed when dropped, if still there.
 struct Frozen(Vec<u32>);
 

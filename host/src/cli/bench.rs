@@ -293,6 +293,11 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
     let mut results = Vec::new();
     let mut rates: Vec<(String, f64)> = Vec::new();
     let mut peers = Vec::new();
+    // First: its peak is the process's, and what another group leaves resident (the runtime
+    // group's engines, the allocator's kept pages) would count in it (162 against 140 MiB).
+    if wants("memory") {
+        results.extend(memory(runtime.clone(), &args.sagas_dir).await?);
+    }
     if wants("runtime") {
         let airline = sagabox::runtime::bundled_wasm("airline").ok_or_else(|| anyhow::anyhow!("no bundled airline"))?;
         results.extend(plugin_load(airline, 5).await?);
@@ -327,9 +332,6 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
     }
     if wants("cli") {
         results.extend(cli_startup(&args.sagas_dir)?);
-    }
-    if wants("memory") {
-        results.extend(memory(runtime.clone(), &args.sagas_dir).await?);
     }
     if wants("verify") {
         let (saga, state, input) = shipped_saga(&runtime, &args.sagas_dir, "ct1-payment-failure")?;
