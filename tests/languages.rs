@@ -157,7 +157,32 @@ fn build_and_verify(lang: Lang, dir: &Path, name: &str) -> String {
     let cases = report["sagas"][0]["cases"].as_array().map_or(0, Vec::len);
     assert!(cases > 10, "a campaign of a few cases only:\n{}", verified.stdout);
     eprintln!("{lang:?} plugin {name}: verify passed {cases} cases");
+    readme_commands_work(dir, cache.path());
     first.stderr
+}
+
+/// Runs every `sagabox` line of the project's README in `dir`, as a shell runs what an
+/// author pastes, with this build's `sagabox` first on the PATH: each must succeed (`run`
+/// panics with the line's output otherwise), and a `call` must print its JSON result.
+fn readme_commands_work(dir: &Path, cache: &Path) {
+    let readme = std::fs::read_to_string(dir.join("README.md")).unwrap();
+    let lines: Vec<&str> = readme.lines().filter(|l| l.starts_with("sagabox ")).collect();
+    assert!(lines.iter().any(|l| l.contains(" call ")), "the README shows no call:\n{readme}");
+    let bin = Path::new(env!("CARGO_BIN_EXE_sagabox")).parent().unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    for line in lines {
+        let mut command = Command::new("sh");
+        command.args(["-c", line]).current_dir(dir).env("PATH", &path).env("SAGABOX_CACHE_DIR", cache);
+        let done = support::python::run(command.env_remove("SAGABOX_LOG"), Duration::from_secs(300));
+        if line.contains(" call ") {
+            let printed: Result<Value, _> = serde_json::from_str(&done.stdout);
+            assert!(
+                printed.is_ok_and(|v| v.is_object()),
+                "README line `{line}` printed no JSON result:\n{}",
+                done.stdout
+            );
+        }
+    }
 }
 
 /// A copy of the example of `lang` under `target/`, to build without touching the sources.
