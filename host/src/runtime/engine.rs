@@ -168,19 +168,61 @@ impl Engines {
                 .max_memory_size((MAX_MEMORY_MIB as usize) << 20)
                 .table_elements(MAX_TABLE_ELEMENTS as usize)
                 .max_unused_warm_slots(64)
-                // Reset a returned slot by rewriting the pages its calls have written (its
-                // private resident pages, found with PAGEMAP_SCAN, Linux 6.7+; memset/madvise
-                // elsewhere) instead of unmapping them, so the next call on the slot does not
-                // fault them in again. They stay resident, so every reset of a slot rewrites
-                // every page any of its calls wrote, up to this bound (1 MiB measured no
-                // different on tau-bench: BENCHMARKS item 22).
-                .pagemap_scan(wasmtime::Enabled::Auto)
-                .linear_memory_keep_resident(16 << 20)
-                .table_keep_resident(1 << 20)
                 .decommit_batch_size(32);
+            slot_reset(&mut pool, swap_is_on());
             config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         }
         config
+    }
+}
+
+/// How a pooled slot is reset for its next call.
+///
+/// Without swap: by rewriting the pages its calls have written (its private resident pages,
+/// found with PAGEMAP_SCAN, Linux 6.7+; memset/madvise elsewhere) instead of unmapping them,
+/// so the next call on the slot does not fault them in again. They stay resident, so every
+/// reset of a slot rewrites every page any of its calls wrote, up to this bound (1 MiB
+/// measured no different on tau-bench: BENCHMARKS item 22).
+///
+/// With swap: wasmtime 48's scan looks only at pages in memory, so a page a call wrote that
+/// the kernel swapped out before the reset is neither rewritten nor unmapped, and the slot's
+/// next call reads it (test below). Slots are then reset without the scan: the first 64 KiB
+/// rewritten, the rest unmapped, swapped pages included (a small call costs about 1.8 times
+/// as much: BENCHMARKS item 46; 0 and 1 MiB measured no better).
+fn slot_reset(pool: &mut PoolingAllocationConfig, swap: bool) {
+    if swap {
+        tracing::info!(
+            "swap is on: pooled slots are reset without PAGEMAP_SCAN, so that no page of a call reaches the next"
+        );
+        pool.pagemap_scan(wasmtime::Enabled::No).linear_memory_keep_resident(64 << 10).table_keep_resident(64 << 10);
+    } else {
+        pool.pagemap_scan(wasmtime::Enabled::Auto).linear_memory_keep_resident(16 << 20).table_keep_resident(1 << 20);
+    }
+}
+
+/// Whether this process's pages can be swapped out: `/proc/swaps` lists a device or a file,
+/// and no cgroup (v2) of the process caps its swap at 0, as container runtimes often do.
+/// Read when an engine is made; swap turned on later is seen by the next process.
+fn swap_is_on() -> bool {
+    let listed =
+        std::fs::read_to_string("/proc/swaps").is_ok_and(|swaps| swaps.lines().skip(1).any(|l| !l.trim().is_empty()));
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    listed && !swap_capped_at_zero(Path::new("/sys/fs/cgroup"), &cgroup)
+}
+
+/// Whether `memory.swap.max` is 0 in the cgroup v2 that `proc_self_cgroup` (the text of
+/// `/proc/self/cgroup`) names under `root`, or in one of its ancestors: the smallest cap on
+/// the way up is the one that holds.
+fn swap_capped_at_zero(root: &Path, proc_self_cgroup: &str) -> bool {
+    let Some(path) = proc_self_cgroup.lines().find_map(|l| l.strip_prefix("0::")) else { return false };
+    let mut dir = root.join(path.trim_start_matches('/'));
+    loop {
+        if std::fs::read_to_string(dir.join("memory.swap.max")).is_ok_and(|max| max.trim() == "0") {
+            return true;
+        }
+        if dir == root || !dir.pop() {
+            return false;
+        }
     }
 }
 
@@ -581,6 +623,118 @@ mod tests {
         let call = engines.call_started();
         assert!(ticks(&engines), "the ticker did not wake for a call after a quiet spell");
         drop(call);
+    }
+
+    #[test]
+    fn a_swap_cap_of_zero_on_the_cgroup_or_an_ancestor_rules_swap_out() {
+        let root = tempfile::tempdir().unwrap();
+        let leaf = root.path().join("kube/pod/app");
+        std::fs::create_dir_all(&leaf).unwrap();
+        let cgroup = "0::/kube/pod/app\n";
+        assert!(!swap_capped_at_zero(root.path(), cgroup), "no cap anywhere");
+        std::fs::write(leaf.join("memory.swap.max"), "max\n").unwrap();
+        assert!(!swap_capped_at_zero(root.path(), cgroup), "an unlimited cap");
+        std::fs::write(root.path().join("kube/memory.swap.max"), "0\n").unwrap();
+        assert!(swap_capped_at_zero(root.path(), cgroup), "an ancestor's cap of 0 holds for the leaf");
+        // cgroup v1 only (no `0::` line): nothing is known, so swap is assumed possible.
+        assert!(!swap_capped_at_zero(root.path(), "4:memory:/kube/pod/app\n"));
+    }
+
+    /// A core module with a 128 KiB memory (its first bytes from a data segment, so that
+    /// the slot maps an image) and `store(addr, value)` / `load(addr)` of i64s.
+    fn memory_module(engine: &Engine) -> wasmtime::Module {
+        use wasm_encoder::*;
+        let mut module = Module::new();
+        let mut types = TypeSection::new();
+        types.ty().function([ValType::I32, ValType::I64], []);
+        types.ty().function([ValType::I32], [ValType::I64]);
+        let mut functions = FunctionSection::new();
+        functions.function(0);
+        functions.function(1);
+        let mut memories = MemorySection::new();
+        memories.memory(MemoryType {
+            minimum: 2,
+            maximum: Some(2),
+            memory64: false,
+            shared: false,
+            page_size_log2: None,
+        });
+        let mut exports = ExportSection::new();
+        exports.export("store", ExportKind::Func, 0);
+        exports.export("load", ExportKind::Func, 1);
+        exports.export("memory", ExportKind::Memory, 0);
+        let mut code = CodeSection::new();
+        let arg = MemArg { offset: 0, align: 3, memory_index: 0 };
+        let mut store = Function::new([]);
+        store.instructions().local_get(0).local_get(1).i64_store(arg).end();
+        code.function(&store);
+        let mut load = Function::new([]);
+        load.instructions().local_get(0).i64_load(arg).end();
+        code.function(&load);
+        let mut data = DataSection::new();
+        data.active(0, &ConstExpr::i32_const(0), b"the image".iter().copied());
+        module.section(&types).section(&functions).section(&memories).section(&exports).section(&code).section(&data);
+        wasmtime::Module::new(engine, module.finish()).unwrap()
+    }
+
+    /// Whether the page at `addr` of this process is in swap (`/proc/self/pagemap`, bit 62).
+    fn swapped_out(addr: usize) -> bool {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
+        let mut entry = [0u8; 8];
+        pagemap.seek(SeekFrom::Start((addr / 4096 * 8) as u64)).unwrap();
+        pagemap.read_exact(&mut entry).unwrap();
+        u64::from_le_bytes(entry) & (1 << 62) != 0
+    }
+
+    #[tokio::test]
+    async fn a_page_of_a_call_swapped_out_before_its_slot_is_reset_does_not_reach_the_next_call() {
+        const SECRET: i64 = 0x5ec2e7_5ec2e7;
+        const AT: i32 = 96 << 10;
+        let engines = Engines::new(EngineOptions { max_concurrent_calls: 4, ..EngineOptions::default() });
+        let engine = engines.get(1024).unwrap();
+        let module = memory_module(&engine);
+        let unlimited = |store: &mut wasmtime::Store<()>| {
+            store.set_fuel(u64::MAX).unwrap();
+            store.set_epoch_deadline(u64::MAX);
+        };
+        let mut first = wasmtime::Store::new(&engine, ());
+        unlimited(&mut first);
+        let instance = wasmtime::Instance::new_async(&mut first, &module, &[]).await.unwrap();
+        let write = instance.get_typed_func::<(i32, i64), ()>(&mut first, "store").unwrap();
+        write.call_async(&mut first, (AT, SECRET)).await.unwrap();
+        let memory = instance.get_memory(&mut first, "memory").unwrap();
+        let page = memory.data_ptr(&first) as usize + AT as usize;
+        // What memory pressure does to a page while its call runs: the kernel swaps it out.
+        let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
+        assert!(swap_is_on(), "this test needs swap (`.ci/swap-on` turns some on, as root); /proc/swaps: {swaps:?}");
+        for _ in 0..10 {
+            // SAFETY: advice on a page of the instance's own, still-mapped memory.
+            unsafe { libc::madvise(page as *mut libc::c_void, 4096, libc::MADV_PAGEOUT) };
+            if swapped_out(page) {
+                break;
+            }
+        }
+        assert!(swapped_out(page), "the kernel did not swap the call's page out; /proc/swaps: {swaps:?}");
+        let slot = memory.data_ptr(&first) as usize;
+        drop(first);
+
+        // Later calls, until one gets that slot back (returned slots wait for a batch of
+        // decommits before they are reused).
+        for _ in 0..256 {
+            let mut next = wasmtime::Store::new(&engine, ());
+            unlimited(&mut next);
+            let instance = wasmtime::Instance::new_async(&mut next, &module, &[]).await.unwrap();
+            let memory = instance.get_memory(&mut next, "memory").unwrap();
+            if memory.data_ptr(&next) as usize != slot {
+                continue;
+            }
+            let load = instance.get_typed_func::<i32, i64>(&mut next, "load").unwrap();
+            assert_eq!(load.call_async(&mut next, AT).await.unwrap(), 0, "a later call read the first one's data");
+            assert_eq!(&memory.data(&next)[..9], b"the image", "the slot's image was not restored");
+            return;
+        }
+        panic!("no later call got the first call's slot");
     }
 
     #[test]
