@@ -649,6 +649,19 @@ fn the_memory_benchmark_is_not_swollen_by_the_groups_run_with_it() {
     );
 }
 
+#[test]
+fn the_benchmark_says_when_slots_are_reset_the_slower_way_for_swap() {
+    let out = Command::new(env!("CARGO_BIN_EXE_sagabox"))
+        .args(["bench", "--only", "runtime", "--calls", "20", "--sagas-dir"])
+        .arg(sagas_dir())
+        .env("SAGABOX_CACHE_DIR", shared_cache())
+        .output()
+        .expect("sagabox runs");
+    assert!(out.status.success(), "{}", stderr(&out));
+    let noted = stderr(&out).contains("pooled slots are reset without PAGEMAP_SCAN");
+    assert_eq!(noted, sagabox::runtime::swap_is_on(), "{}", stderr(&out));
+}
+
 /// Worker processes frozen with SIGSTOP; killed when dropped, if still there.
 struct Frozen(Vec<u32>);
 

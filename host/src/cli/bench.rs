@@ -290,6 +290,12 @@ pub async fn run(plugin_args: &super::PluginArgs, args: Args) -> anyhow::Result<
         let _ = tokio::task::spawn_blocking(super::bench_durable::remove_leftovers).await;
         std::process::exit(130);
     });
+    if sagabox::runtime::swap_is_on() {
+        eprintln!(
+            "note: this process can swap, so pooled slots are reset without PAGEMAP_SCAN: calls are slower \
+             than where it cannot (README, The sandbox)"
+        );
+    }
     let mut results = Vec::new();
     let mut rates: Vec<(String, f64)> = Vec::new();
     let mut peers = Vec::new();

@@ -203,7 +203,7 @@ fn slot_reset(pool: &mut PoolingAllocationConfig, swap: bool) {
 /// Whether this process's pages can be swapped out: `/proc/swaps` lists a device or a file,
 /// and no cgroup (v2) of the process caps its swap at 0, as container runtimes often do.
 /// Read when an engine is made; swap turned on later is seen by the next process.
-fn swap_is_on() -> bool {
+pub fn swap_is_on() -> bool {
     let listed =
         std::fs::read_to_string("/proc/swaps").is_ok_and(|swaps| swaps.lines().skip(1).any(|l| !l.trim().is_empty()));
     let cgroup = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();

@@ -28,7 +28,7 @@ use serde_json::Value;
 use wasmtime::{Store, Trap, UpdateDeadline};
 
 pub use args::CallArgs;
-pub use engine::{COMPILE_PROGRESS, CompileCache, CompileSource, EngineOptions};
+pub use engine::{COMPILE_PROGRESS, CompileCache, CompileSource, EngineOptions, swap_is_on};
 pub use error::{CallError, FailureKind, LoadError};
 pub use operator::{Grant, Operator, OperatorError};
 pub use plugin::{BundledPlugin, LoadCaps, Origin, Plugin, Tool, ToolInfo, valid_name};
