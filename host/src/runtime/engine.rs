@@ -677,12 +677,18 @@ mod tests {
         wasmtime::Module::new(engine, module.finish()).unwrap()
     }
 
+    /// The host's page size.
+    fn page_size() -> usize {
+        // SAFETY: sysconf reads a constant of the system.
+        unsafe { libc::sysconf(libc::_SC_PAGESIZE) as usize }
+    }
+
     /// Whether the page at `addr` of this process is in swap (`/proc/self/pagemap`, bit 62).
     fn swapped_out(addr: usize) -> bool {
         use std::io::{Read, Seek, SeekFrom};
         let mut pagemap = std::fs::File::open("/proc/self/pagemap").unwrap();
         let mut entry = [0u8; 8];
-        pagemap.seek(SeekFrom::Start((addr / 4096 * 8) as u64)).unwrap();
+        pagemap.seek(SeekFrom::Start((addr / page_size() * 8) as u64)).unwrap();
         pagemap.read_exact(&mut entry).unwrap();
         u64::from_le_bytes(entry) & (1 << 62) != 0
     }
@@ -704,13 +710,13 @@ mod tests {
         let write = instance.get_typed_func::<(i32, i64), ()>(&mut first, "store").unwrap();
         write.call_async(&mut first, (AT, SECRET)).await.unwrap();
         let memory = instance.get_memory(&mut first, "memory").unwrap();
-        let page = memory.data_ptr(&first) as usize + AT as usize;
+        let page = (memory.data_ptr(&first) as usize + AT as usize) & !(page_size() - 1);
         // What memory pressure does to a page while its call runs: the kernel swaps it out.
         let swaps = std::fs::read_to_string("/proc/swaps").unwrap_or_default();
         assert!(swap_is_on(), "this test needs swap (`.ci/swap-on` turns some on, as root); /proc/swaps: {swaps:?}");
         for _ in 0..10 {
             // SAFETY: advice on a page of the instance's own, still-mapped memory.
-            unsafe { libc::madvise(page as *mut libc::c_void, 4096, libc::MADV_PAGEOUT) };
+            unsafe { libc::madvise(page as *mut libc::c_void, page_size(), libc::MADV_PAGEOUT) };
             if swapped_out(page) {
                 break;
             }
