@@ -186,6 +186,67 @@ mod tests {
         assert_eq!(without_writes(Some(r#"{"p":3}"#), &floats).as_deref(), Some(r#"{"p":3.5}"#));
     }
 
+    /// One run's edit of the shared list: `Add` appends a new element of its own; `Remove(i)`
+    /// takes out the i-th element of the list as it is then (any run's, or the seed's).
+    #[derive(Clone, Debug)]
+    enum Edit {
+        Add,
+        Remove(usize),
+    }
+
+    fn edits() -> impl proptest::strategy::Strategy<Value = Vec<(usize, Edit)>> {
+        use proptest::prelude::*;
+        let edit = prop_oneof![Just(Edit::Add), (0..16usize).prop_map(Edit::Remove)];
+        proptest::collection::vec((0..3usize, edit), 0..40)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2048))]
+
+        /// Three runs edit one list in any interleaving. Undoing one run's writes on the list as
+        /// it ends leaves exactly the elements the other runs' edits leave: the seed's and the
+        /// other runs' additions, less what the other runs removed.
+        #[test]
+        fn undoing_a_run_leaves_the_other_runs_elements(edits in edits(), run in 0..3usize) {
+            let text = |list: &[String]| serde_json::json!({ "r": list }).to_string();
+            let mut list: Vec<String> = (0..4).map(|i| format!("seed-{i}")).collect();
+            let mut writes: Vec<(String, String)> = Vec::new();
+            let mut removed_by_others = std::collections::BTreeSet::new();
+            let mut added_by_others = Vec::new();
+            for (n, (by, edit)) in edits.iter().enumerate() {
+                let before = text(&list);
+                match edit {
+                    Edit::Add => {
+                        let element = format!("run-{by}-{n}");
+                        if *by != run {
+                            added_by_others.push(element.clone());
+                        }
+                        list.push(element);
+                    }
+                    Edit::Remove(i) if *i < list.len() => {
+                        let element = list.remove(*i);
+                        if *by != run {
+                            removed_by_others.insert(element);
+                        }
+                    }
+                    Edit::Remove(_) => continue,
+                }
+                if *by == run {
+                    writes.push((before, text(&list)));
+                }
+            }
+            let texts: Vec<WriteTexts<'_>> =
+                writes.iter().map(|(b, a)| w(Some(b.as_str()), Some(a.as_str()))).collect();
+            let without: Value = serde_json::from_str(&without_writes(Some(&text(&list)), &texts).unwrap()).unwrap();
+            let mut left: Vec<String> = serde_json::from_value(without["r"].clone()).unwrap();
+            let mut expected: Vec<String> = (0..4).map(|i| format!("seed-{i}")).chain(added_by_others).collect();
+            expected.retain(|e| !removed_by_others.contains(e));
+            left.sort();
+            expected.sort();
+            proptest::prop_assert_eq!(left, expected);
+        }
+    }
+
     #[test]
     fn a_list_keeps_the_elements_other_runs_added_or_removed() {
         // What 64 CT1 runs sharing a user did (a worker run, 301 of 3,000 reports): this run
