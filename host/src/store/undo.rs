@@ -5,7 +5,9 @@
 //! When other runs' writes are interleaved (shared seat counts, pools, balances), the run's
 //! own edits are undone, newest first, on the document as it is now, at the finest level:
 //! a number it changed by `d` is moved back by `d` (other runs' changes to the same number
-//! stay), any other field it changed is put back. What is left is the document as it would
+//! stay), the elements it added to a list are taken out and the ones it removed put back
+//! (other runs' elements stay; a list of unchanged length is undone element by element, in
+//! place), any other field it changed is put back. What is left is the document as it would
 //! be without this run; the difference to now is this run's net change.
 
 use serde_json::{Map, Number, Value};
@@ -55,15 +57,24 @@ fn undo(doc: &mut Option<Value>, path: &str, before: Option<&Value>, after: Opti
     }
 }
 
-/// Undoes, on the list at `path`, the edit that turned `before` into `after`, element by
-/// element: the elements it added are taken out and the ones it removed go back where they
-/// stood, so that what other runs added or removed meanwhile stays. An edit that only
-/// reordered the list (or a `path` that holds no list now) puts `before` back whole.
+/// Undoes, on the list at `path`, the edit that turned `before` into `after`, so that what
+/// other runs did to the list meanwhile stays. Where the list kept its length throughout (the
+/// edit's and the list's now), each element is undone in place, as a field is: a count in an
+/// element moves back by what the run moved it, another run's edit of another field stays.
+/// Otherwise the elements the edit added are taken out and the ones it removed go back where
+/// they stood. An edit that only reordered the list (or a `path` that holds no list now)
+/// puts `before` back whole.
 fn undo_list(doc: &mut Option<Value>, path: &str, before: &[Value], after: &[Value]) {
-    let (added, removed) = (missing_from(after, before), missing_from(before, after));
     let Some(Value::Array(now)) = at(doc, path) else {
         return put(doc, path, Some(Value::Array(before.to_vec())));
     };
+    if before.len() == after.len() && now.len() == after.len() {
+        for (i, (b, a)) in before.iter().zip(after).enumerate() {
+            undo(doc, &format!("{path}/{i}"), Some(b), Some(a));
+        }
+        return;
+    }
+    let (added, removed) = (missing_from(after, before), missing_from(before, after));
     if added.is_empty() && removed.is_empty() {
         return put(doc, path, Some(Value::Array(before.to_vec())));
     }
@@ -112,22 +123,40 @@ fn segments(path: &str) -> impl Iterator<Item = String> + '_ {
 }
 
 fn at<'a>(doc: &'a Option<Value>, path: &str) -> Option<&'a Value> {
-    segments(path).try_fold(doc.as_ref()?, |v, s| v.as_object()?.get(&s))
+    segments(path).try_fold(doc.as_ref()?, |v, s| match v {
+        Value::Object(object) => object.get(&s),
+        Value::Array(list) => list.get(s.parse::<usize>().ok()?),
+        _ => None,
+    })
 }
 
-/// Sets (or, with `None`, removes) the value at `path`; a path whose parent is gone is left.
+/// Sets (or, with `None`, removes) the value at `path`; a path whose parent is gone is left,
+/// and so is a list's element that is not there (a list's elements are only ever replaced).
 fn put(doc: &mut Option<Value>, path: &str, value: Option<Value>) {
     let names: Vec<String> = segments(path).collect();
     let Some((last, parents)) = names.split_last() else {
         *doc = value;
         return;
     };
-    let Some(mut object) = doc.as_mut().and_then(Value::as_object_mut) else { return };
+    let Some(mut node) = doc.as_mut() else { return };
     for name in parents {
-        let Some(next) = object.get_mut(name).and_then(Value::as_object_mut) else { return };
-        object = next;
+        let next = match node {
+            Value::Object(object) => object.get_mut(name),
+            Value::Array(list) => name.parse::<usize>().ok().and_then(|i| list.get_mut(i)),
+            _ => None,
+        };
+        let Some(next) = next else { return };
+        node = next;
     }
-    set(object, last, value);
+    match (node, value) {
+        (Value::Object(object), value) => set(object, last, value),
+        (Value::Array(list), Some(value)) => {
+            if let Some(slot) = last.parse::<usize>().ok().and_then(|i| list.get_mut(i)) {
+                *slot = value;
+            }
+        }
+        _ => {}
+    }
 }
 
 fn set(object: &mut Map<String, Value>, name: &str, value: Option<Value>) {
@@ -269,6 +298,18 @@ mod tests {
         // An element replaced in place goes back in its place.
         let replaced = [w(Some(r#"{"r":[1,2,3]}"#), Some(r#"{"r":[1,9,3]}"#))];
         assert_eq!(without_writes(Some(r#"{"r":[1,9,3,4]}"#), &replaced).as_deref(), Some(r#"{"r":[1,2,3,4]}"#));
+        // Elements edited in place, the list's length unchanged: another run's edit of another
+        // field of the same element stays, and so does its share of a count.
+        let fields = [w(Some(r#"{"r":[{"a":0,"b":0,"id":1}]}"#), Some(r#"{"r":[{"a":1,"b":0,"id":1}]}"#))];
+        assert_eq!(
+            without_writes(Some(r#"{"r":[{"a":1,"b":1,"id":1}]}"#), &fields).as_deref(),
+            Some(r#"{"r":[{"a":0,"b":1,"id":1}]}"#)
+        );
+        let count = [w(Some(r#"{"r":[{"n":5},{"n":7}]}"#), Some(r#"{"r":[{"n":4},{"n":7}]}"#))];
+        assert_eq!(
+            without_writes(Some(r#"{"r":[{"n":3},{"n":7}]}"#), &count).as_deref(),
+            Some(r#"{"r":[{"n":4},{"n":7}]}"#)
+        );
         // A reorder has no elements to tell apart: the run's order is put back, as before.
         let reordered = [w(Some(r#"{"r":[1,2]}"#), Some(r#"{"r":[2,1]}"#))];
         assert_eq!(without_writes(Some(r#"{"r":[2,1,3]}"#), &reordered).as_deref(), Some(r#"{"r":[1,2]}"#));
