@@ -74,18 +74,24 @@ fn undo_list(doc: &mut Option<Value>, path: &str, before: &[Value], after: &[Val
         }
         return;
     }
-    let (added, removed) = (missing_from(after, before), missing_from(before, after));
+    // Only the part between what the edit left alone at either end can differ (an append
+    // is one element), so only that part is counted.
+    let same = |(b, a): (&Value, &Value)| b == a;
+    let head = before.iter().zip(after).take_while(|&pair| same(pair)).count();
+    let tail = before[head..].iter().rev().zip(after[head..].iter().rev()).take_while(|&pair| same(pair)).count();
+    let (before_part, after_part) = (&before[head..before.len() - tail], &after[head..after.len() - tail]);
+    let (added, removed) = (missing_from(after_part, before_part), missing_from(before_part, after_part));
     if added.is_empty() && removed.is_empty() {
         return put(doc, path, Some(Value::Array(before.to_vec())));
     }
     let mut list = now.clone();
-    for element in added.iter().map(|&i| &after[i]) {
+    for element in added.iter().map(|&i| &after_part[i]) {
         if let Some(found) = list.iter().position(|e| e == element) {
             list.remove(found);
         }
     }
     for &i in &removed {
-        list.insert(i.min(list.len()), before[i].clone());
+        list.insert((head + i).min(list.len()), before_part[i].clone());
     }
     put(doc, path, Some(Value::Array(list)));
 }
