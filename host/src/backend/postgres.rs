@@ -519,20 +519,21 @@ impl PostgresBackend {
         .transpose()
     }
 
-    /// Writes `pending` (held back earlier), then `events`, in `tx`, and records run ends.
-    /// `taken_over`: the runs that another process holds, read in `tx` ([`HOLDERS`]); the
-    /// caller has refused `events` of them, and their `pending` ones are dropped with a
-    /// warning. A record that is already there is an error for `events` and dropped with a
-    /// warning if pending.
+    /// Writes `pending` (held back earlier), then `events`, in `tx`, and records run ends,
+    /// with `statements` prepared on `tx`'s connection. `taken_over`: the runs that another process holds,
+    /// read in `tx` ([`HOLDERS`]); the caller has refused `events` of them, and their
+    /// `pending` ones are dropped with a warning. A pending record that is already there is
+    /// dropped with a warning; one of `events` fails its statement, and so the transaction.
+    ///
+    /// Its statements are all sent when the future is first polled, before any reply is
+    /// awaited: a COMMIT polled after it in the same round trip runs after them.
     async fn write_events(
         &self,
-        tx: &impl GenericClient,
+        tx: &impl tokio_postgres::GenericClient,
+        statements: &JournalStatements,
         (pending, events): (&[Event], &[Event]),
         taken_over: &HashMap<String, String>,
     ) -> Result<(), Failure> {
-        if pending.is_empty() && events.is_empty() {
-            return Ok(());
-        }
         let (pending, dropped): (Vec<&Event>, Vec<&Event>) =
             pending.iter().partition(|e| !taken_over.contains_key(&e.run_id));
         if let Some(event) = dropped.first() {
@@ -543,37 +544,37 @@ impl PostgresBackend {
                 event.run_id
             );
         }
-        let all: Vec<&Event> = pending.iter().copied().chain(events).collect();
-        let runs: Vec<&str> = all.iter().map(|e| e.run_id.as_str()).collect();
-        let seqs: Vec<i64> = all.iter().map(|e| e.seq as i64).collect();
-        let bodies = all
-            .iter()
-            .map(serde_json::to_string)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| CommitError::Backend(e.to_string()))?;
-        // One statement for all of them; it returns those it inserted.
-        let insert = tx
-            .prepare_cached(
-                "INSERT INTO events (run_id, seq, body) SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[])
-                 ON CONFLICT DO NOTHING RETURNING run_id, seq",
-            )
-            .await?;
-        let inserted: std::collections::HashSet<(String, i64)> =
-            tx.query(&insert, &[&runs, &seqs, &bodies]).await?.iter().map(|r| (r.get(0), r.get(1))).collect();
-        for (n, event) in all.iter().enumerate() {
-            if inserted.contains(&(event.run_id.clone(), event.seq as i64)) {
-                if let Some(status) = finished_status(event) {
-                    tx.execute(
-                        "UPDATE runs SET status = $1, finished_ms = $2 WHERE run_id = $3",
-                        &[&status, &(now_ms() as i64), &event.run_id],
-                    )
-                    .await?;
+        let held_back = Records::of(pending.iter().copied())?;
+        let own = Records::of(events)?;
+        // Only a run's own commit carries its end (`write_at_once`): never a held-back record.
+        let (finished, statuses): (Vec<&str>, Vec<&str>) =
+            events.iter().filter_map(|e| Some((e.run_id.as_str(), finished_status(e)?))).unzip();
+        let now = now_ms() as i64;
+        let (inserted, (), ()) = futures::try_join!(
+            async {
+                match held_back.runs.is_empty() {
+                    true => Ok(Vec::new()),
+                    false => tx.query(&statements.held_back, &held_back.params()).await,
                 }
-            } else if n < pending.len() {
-                tracing::warn!("dropping a journal record: {}", duplicate_event(event));
-            } else {
-                return Err(Failure::Fatal(CommitError::Backend(duplicate_event(event))));
-            }
+            },
+            async {
+                match own.runs.is_empty() {
+                    true => Ok(()),
+                    false => tx.execute(&statements.own, &own.params()).await.map(drop),
+                }
+            },
+            async {
+                match finished.is_empty() {
+                    true => Ok(()),
+                    false => tx.execute(&statements.finish, &[&finished, &statuses, &now]).await.map(drop),
+                }
+            },
+        )
+        .map_err(|e| journal_failure(e, events))?;
+        let inserted: std::collections::HashSet<(String, i64)> =
+            inserted.iter().map(|r| (r.get(0), r.get(1))).collect();
+        for event in pending.iter().filter(|e| !inserted.contains(&(e.run_id.clone(), e.seq as i64))) {
+            tracing::warn!("dropping a journal record: {}", duplicate_event(event));
         }
         Ok(())
     }
@@ -620,26 +621,21 @@ impl PostgresBackend {
         (pending, events): (&[Event], &[Event]),
         changes: &mut Option<Vec<Change>>,
     ) -> Result<Vec<Change>, Failure> {
-        let tx = client.transaction().await?;
+        let statements = CommitStatements::prepare(client).await?;
+        let tx = tokio_postgres::Client::transaction(client).await?;
         let since = read(&self.state).version() as i64;
         // One round trip for the four reads (the server runs them in order, so the others
         // are read under the lock): the row lock serializes the commits of every process and
         // the version follows it; then the result cache; then the documents other processes
         // wrote since this one's state; then who holds the run (a fence, see HOLDERS).
-        let (lock, cached, docs, holders) = (
-            tx.prepare_cached("SELECT value FROM meta WHERE name = 'version' FOR UPDATE").await?,
-            tx.prepare_cached("SELECT output FROM results WHERE key = $1").await?,
-            tx.prepare_cached(DOCS_SINCE).await?,
-            tx.prepare_cached(HOLDERS).await?,
-        );
         let key = result.map_or("", |(key, _)| key);
         let run_ids = runs_of(pending, events);
         let params: [[&(dyn ToSql + Sync); 1]; 3] = [[&key], [&since], [&run_ids]];
         let (version, cached, docs, holders) = futures::try_join!(
-            tx.query_one(&lock, &[]),
-            tx.query_opt(&cached, &params[0]),
-            tx.query(&docs, &params[1]),
-            tx.query(&holders, &params[2]),
+            tx.query_one(&statements.lock, &[]),
+            tx.query_opt(&statements.cached, &params[0]),
+            tx.query(&statements.docs, &params[1]),
+            tx.query(&statements.holders, &params[2]),
         )?;
         let version: i64 = version.get(0);
         if let Some(previous) = changes.as_ref()
@@ -665,33 +661,22 @@ impl PostgresBackend {
             (txn.changes(&state), Writes::of(txn, &state))
         };
         *changes = Some(new_changes.clone());
-        // One round trip for every write: the documents, the namespaces whose key sets
-        // changed, the cached result, the version, and the journal.
-        let statements = (
-            tx.prepare_cached(
-                "INSERT INTO docs (ns, key, body, version) SELECT ns, key, body, $4 FROM unnest($1::text[], $2::text[], $3::text[]) AS w(ns, key, body)
-                 ON CONFLICT (ns, key) DO UPDATE SET body = EXCLUDED.body, version = EXCLUDED.version",
-            )
-            .await?,
-            tx.prepare_cached(
-                "INSERT INTO namespaces SELECT ns, $2 FROM unnest($1::text[]) AS k(ns)
-                 ON CONFLICT (ns) DO UPDATE SET keys_version = EXCLUDED.keys_version",
-            )
-            .await?,
-            tx.prepare_cached("INSERT INTO results (key, run_id, output) SELECT $1, $2, $3 WHERE $4").await?,
-            tx.prepare_cached("UPDATE meta SET value = $1 WHERE name = 'version'").await?,
-        );
-        let (put, keys, cache, bump) = statements;
+        // One round trip for every write (the journal, the documents, the namespaces whose
+        // key sets changed, the cached result, the version) and the COMMIT: the version row's
+        // lock, which every process's commits queue on, is held a round trip less than with
+        // the COMMIT sent after their replies. A write that fails aborts the transaction, and
+        // the COMMIT then ends it without committing; its error is what the join returns.
         let run_id = events.first().map_or("", |e| e.run_id.as_str());
         let output = result.map_or(String::new(), |(_, output)| output.to_string());
         futures::try_join!(
-            self.write_events(&tx, (pending, events), &taken_over),
-            async { Ok(tx.execute(&put, &[&writes.ns, &writes.keys, &writes.bodies, &next]).await?) },
-            async { Ok(tx.execute(&keys, &[&writes.key_sets, &next]).await?) },
-            async { Ok(tx.execute(&cache, &[&key, &run_id, &output, &result.is_some()]).await?) },
-            async { Ok::<_, Failure>(tx.execute(&bump, &[&next]).await?) },
+            self.write_events(&tx, &statements.journal, (pending, events), &taken_over),
+            async { Ok(tx.execute(&statements.put, &[&writes.ns, &writes.keys, &writes.bodies, &next]).await?) },
+            async { Ok(tx.execute(&statements.keys, &[&writes.key_sets, &next]).await?) },
+            async { Ok(tx.execute(&statements.cache, &[&key, &run_id, &output, &result.is_some()]).await?) },
+            async { Ok(tx.execute(&statements.bump, &[&next]).await?) },
+            async { Ok::<_, Failure>(tx.batch_execute("COMMIT").await?) },
         )?;
-        tx.commit().await?;
+        committed(tx);
         let mut state = write(&self.state);
         // A snapshot may have caught up past this commit meanwhile: then it holds these writes.
         if state.version() < next as u64 {
@@ -702,7 +687,11 @@ impl PostgresBackend {
 
     /// Whether an earlier try of this commit, whose COMMIT got no answer, did commit: its
     /// first journal record is there, as it wrote it.
-    async fn committed_before(&self, tx: &impl GenericClient, events: &[Event]) -> Result<bool, Failure> {
+    async fn committed_before(
+        &self,
+        tx: &impl tokio_postgres::GenericClient,
+        events: &[Event],
+    ) -> Result<bool, Failure> {
         let Some(first) = events.first() else { return Ok(false) };
         let row = tx
             .query_opt("SELECT body FROM events WHERE run_id = $1 AND seq = $2", &[&first.run_id, &(first.seq as i64)])
@@ -714,16 +703,21 @@ impl PostgresBackend {
     /// Writes `pending` and `events` in a transaction of their own.
     async fn write_now(&self, pending: &[Event], events: &[Event]) -> Result<(), CommitError> {
         self.with_retry(async |client, tries| {
-            let tx = client.transaction().await?;
+            let holders = client.prepare_cached(HOLDERS).await?;
+            let journal = JournalStatements::prepare(client).await?;
+            let tx = tokio_postgres::Client::transaction(client).await?;
             // A retried write whose first try committed finds its own records.
             if tries > 1 && self.committed_before(&tx, events).await? {
                 return Ok(());
             }
-            let holders = tx.query(&tx.prepare_cached(HOLDERS).await?, &[&runs_of(pending, events)]).await?;
+            let holders = tx.query(&holders, &[&runs_of(pending, events)]).await?;
             let taken_over = held_elsewhere(&holders);
             refuse_taken_over(events, &taken_over)?;
-            self.write_events(&tx, (pending, events), &taken_over).await?;
-            tx.commit().await?;
+            // The COMMIT goes with the records, as in `try_commit`.
+            futures::try_join!(self.write_events(&tx, &journal, (pending, events), &taken_over), async {
+                Ok::<_, Failure>(tx.batch_execute("COMMIT").await?)
+            },)?;
+            committed(tx);
             Ok(())
         })
         .await
@@ -733,6 +727,118 @@ impl PostgresBackend {
 /// A journal record that is already there: another process writes this run's journal.
 fn duplicate_event(event: &Event) -> String {
     format!("{} (another process writes this run)", super::duplicate_event(event))
+}
+
+/// The statements of a step's commit ([`PostgresBackend::try_commit`]), prepared once per
+/// connection and taken from its cache before the transaction begins.
+struct CommitStatements {
+    lock: tokio_postgres::Statement,
+    cached: tokio_postgres::Statement,
+    docs: tokio_postgres::Statement,
+    holders: tokio_postgres::Statement,
+    put: tokio_postgres::Statement,
+    keys: tokio_postgres::Statement,
+    cache: tokio_postgres::Statement,
+    bump: tokio_postgres::Statement,
+    journal: JournalStatements,
+}
+
+impl CommitStatements {
+    async fn prepare(client: &deadpool_postgres::Client) -> Result<CommitStatements, Failure> {
+        let (lock, cached, docs, holders, put, keys, cache, bump) = futures::try_join!(
+            client.prepare_cached("SELECT value FROM meta WHERE name = 'version' FOR UPDATE"),
+            client.prepare_cached("SELECT output FROM results WHERE key = $1"),
+            client.prepare_cached(DOCS_SINCE),
+            client.prepare_cached(HOLDERS),
+            client.prepare_cached(
+                "INSERT INTO docs (ns, key, body, version) SELECT ns, key, body, $4 FROM unnest($1::text[], $2::text[], $3::text[]) AS w(ns, key, body)
+                 ON CONFLICT (ns, key) DO UPDATE SET body = EXCLUDED.body, version = EXCLUDED.version",
+            ),
+            client.prepare_cached(
+                "INSERT INTO namespaces SELECT ns, $2 FROM unnest($1::text[]) AS k(ns)
+                 ON CONFLICT (ns) DO UPDATE SET keys_version = EXCLUDED.keys_version",
+            ),
+            client.prepare_cached("INSERT INTO results (key, run_id, output) SELECT $1, $2, $3 WHERE $4"),
+            client.prepare_cached("UPDATE meta SET value = $1 WHERE name = 'version'"),
+        )?;
+        let journal = JournalStatements::prepare(client).await?;
+        Ok(CommitStatements { lock, cached, docs, holders, put, keys, cache, bump, journal })
+    }
+}
+
+/// The statements [`PostgresBackend::write_events`] sends, prepared (once per connection)
+/// before the round trip that sends them, so that none of them waits for a reply there.
+struct JournalStatements {
+    /// Records held back earlier: one that is already there is left as it is (and not
+    /// returned with those inserted).
+    held_back: tokio_postgres::Statement,
+    /// A commit's own records: one that is already there fails the transaction.
+    own: tokio_postgres::Statement,
+    /// Runs whose records end them: their status and end time.
+    finish: tokio_postgres::Statement,
+}
+
+impl JournalStatements {
+    async fn prepare(tx: &impl GenericClient) -> Result<JournalStatements, Failure> {
+        macro_rules! insert {
+            ($($tail:literal)?) => {
+                concat!("INSERT INTO events (run_id, seq, body) SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[])" $(, $tail)?)
+            };
+        }
+        let (held_back, own, finish) = futures::try_join!(
+            tx.prepare_cached(insert!(" ON CONFLICT DO NOTHING RETURNING run_id, seq")),
+            tx.prepare_cached(insert!()),
+            tx.prepare_cached(
+                "UPDATE runs SET status = f.status, finished_ms = $3
+                 FROM unnest($1::text[], $2::text[]) AS f(run_id, status) WHERE runs.run_id = f.run_id",
+            ),
+        )?;
+        Ok(JournalStatements { held_back, own, finish })
+    }
+}
+
+/// Journal records as the columns of one `unnest` insert.
+struct Records<'a> {
+    runs: Vec<&'a str>,
+    seqs: Vec<i64>,
+    bodies: Vec<String>,
+}
+
+impl<'a> Records<'a> {
+    fn of(events: impl IntoIterator<Item = &'a Event>) -> Result<Records<'a>, Failure> {
+        let mut records = Records { runs: Vec::new(), seqs: Vec::new(), bodies: Vec::new() };
+        for event in events {
+            records.runs.push(&event.run_id);
+            records.seqs.push(event.seq as i64);
+            records.bodies.push(serde_json::to_string(event).map_err(|e| CommitError::Backend(e.to_string()))?);
+        }
+        Ok(records)
+    }
+
+    fn params(&self) -> [&(dyn ToSql + Sync); 3] {
+        [&self.runs, &self.seqs, &self.bodies]
+    }
+}
+
+/// What a failed journal write means: a record of `own` already there is named as such.
+fn journal_failure(e: tokio_postgres::Error, own: &[Event]) -> Failure {
+    if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
+        // The server names the key: "Key (run_id, seq)=(r, 2) already exists."
+        let detail = e.as_db_error().and_then(|d| d.detail()).unwrap_or_default();
+        let there = own.iter().find(|ev| detail.contains(&format!("=({}, {})", ev.run_id, ev.seq)));
+        if let Some(event) = there.or(own.first()) {
+            return Failure::Fatal(CommitError::Backend(duplicate_event(event)));
+        }
+    }
+    e.into()
+}
+
+/// Ends a transaction whose COMMIT was sent with its writes and succeeded: dropping it would
+/// send a ROLLBACK after the COMMIT, which the server logs as a warning. It holds only the
+/// borrowed connection, so nothing is leaked. (After a failure it is dropped: its ROLLBACK
+/// ends it whether or not the COMMIT went out.)
+fn committed(tx: tokio_postgres::Transaction<'_>) {
+    std::mem::forget(tx);
 }
 
 /// The holders of the runs `$1` names, locked (`FOR SHARE`) until the transaction ends: a
