@@ -13,6 +13,8 @@ mod group;
 pub mod memory;
 pub mod postgres;
 pub mod sqlite;
+#[cfg(test)]
+mod testing;
 
 use crate::ids::now_ms;
 use crate::sync::lock;

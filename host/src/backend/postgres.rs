@@ -31,6 +31,7 @@ use tokio_postgres::NoTls;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 
+use super::group::Group;
 use super::sqlite::Durability;
 use super::{
     Backend, CommitError, DbError, DocRow, RegisterError, RunRecord, UNFINISHED, apply_commits, finished_status, holds,
@@ -222,31 +223,6 @@ fn describe(e: &tokio_postgres::Error) -> String {
     }
 }
 
-/// A transaction's writes as the columns of one `unnest` insert.
-struct Writes {
-    ns: Vec<String>,
-    keys: Vec<String>,
-    /// None: deleted (the row stays, so other processes see the delete).
-    bodies: Vec<Option<String>>,
-    /// Namespaces in which a key appeared or disappeared.
-    key_sets: Vec<String>,
-}
-
-impl Writes {
-    fn of(txn: &Txn, state: &State) -> Writes {
-        let mut writes = Writes { ns: Vec::new(), keys: Vec::new(), bodies: Vec::new(), key_sets: Vec::new() };
-        for (ns, key, text) in txn.writes() {
-            if state.get(ns, key).is_some() != text.is_some() && !writes.key_sets.iter().any(|n| n == ns) {
-                writes.key_sets.push(ns.to_string());
-            }
-            writes.ns.push(ns.to_string());
-            writes.keys.push(key.to_string());
-            writes.bodies.push(text.map(|t| t.to_string()));
-        }
-        writes
-    }
-}
-
 /// The PostgreSQL backend.
 pub struct PostgresBackend {
     /// The URL with its password redacted, for messages.
@@ -262,7 +238,13 @@ pub struct PostgresBackend {
     state: RwLock<State>,
     /// Events with no state change, written with the next commit (or at a run's start and end).
     pending: Mutex<Vec<Event>>,
+    /// Step commits of concurrent runs, written many to a transaction: the version row's
+    /// lock, and the round trips under it, are taken once for all of them.
+    group: Group<StepCommit, Result<Vec<Change>, CommitError>>,
 }
+
+/// Most steps one transaction writes: bounds how long a group holds the version row's lock.
+const MAX_GROUP: usize = 256;
 
 impl Drop for PostgresBackend {
     fn drop(&mut self) {
@@ -324,6 +306,7 @@ impl PostgresBackend {
             runtime: Some(runtime),
             state: RwLock::new(State::default()),
             pending: Mutex::new(Vec::new()),
+            group: Group::new(MAX_GROUP),
         };
         backend.block_on(backend.migrate()).map_err(|e| backend.db_error(e))?;
         let state = backend.current_state()?;
@@ -510,7 +493,10 @@ impl PostgresBackend {
 
     /// The output cached under `key`.
     async fn cached_in(client: &impl GenericClient, key: &str) -> Result<Option<Value>, Failure> {
-        let row = client.query_opt("SELECT output FROM results WHERE key = $1", &[&key]).await?;
+        // Prepared once per connection: every call of a durable run asks, before it runs.
+        let row = client
+            .query_opt(&client.prepare_cached("SELECT output FROM results WHERE key = $1").await?, &[&key])
+            .await?;
         row.map(|r| {
             let text: String = r.get(0);
             serde_json::from_str(&text)
@@ -531,11 +517,11 @@ impl PostgresBackend {
         &self,
         tx: &impl tokio_postgres::GenericClient,
         statements: &JournalStatements,
-        (pending, events): (&[Event], &[Event]),
+        (pending, events): (&[&Event], &[&Event]),
         taken_over: &HashMap<String, String>,
     ) -> Result<(), Failure> {
         let (pending, dropped): (Vec<&Event>, Vec<&Event>) =
-            pending.iter().partition(|e| !taken_over.contains_key(&e.run_id));
+            pending.iter().copied().partition(|e| !taken_over.contains_key(&e.run_id));
         if let Some(event) = dropped.first() {
             let owner = &taken_over[&event.run_id];
             tracing::warn!(
@@ -545,7 +531,7 @@ impl PostgresBackend {
             );
         }
         let held_back = Records::of(pending.iter().copied())?;
-        let own = Records::of(events)?;
+        let own = Records::of(events.iter().copied())?;
         // Only a run's own commit carries its end (`write_at_once`): never a held-back record.
         let (finished, statuses): (Vec<&str>, Vec<&str>) =
             events.iter().filter_map(|e| Some((e.run_id.as_str(), finished_status(e)?))).unzip();
@@ -597,13 +583,13 @@ impl PostgresBackend {
     }
 
     /// Runs a write that carries `run_id`'s held-back events, putting them back if it fails.
-    async fn carrying_pending<T>(
+    fn carrying_pending<T>(
         &self,
         run_id: Option<&str>,
-        write: impl AsyncFnOnce(&[Event]) -> Result<T, CommitError>,
+        write: impl FnOnce(Vec<Event>) -> Result<T, CommitError>,
     ) -> Result<T, CommitError> {
         let pending = self.take_pending(run_id);
-        let written = write(&pending).await;
+        let written = write(pending.clone());
         // Unless the run is another process's now: then they are dropped.
         if written.as_ref().is_err_and(|e| !matches!(e, CommitError::TakenOver { .. })) {
             self.restore_pending(pending);
@@ -611,93 +597,131 @@ impl PostgresBackend {
         written
     }
 
-    /// One try of [`Backend::commit`]. `changes` keeps what the first try computed: when a
-    /// try's COMMIT got no answer, the next finds out from the journal whether it happened.
-    async fn try_commit(
+    /// Writes `steps` (of different runs, in arrival order) in one transaction, each
+    /// refused on its own or written; if the transaction fails, every step fails with it.
+    fn write_group(&self, steps: Vec<StepCommit>) -> Vec<Result<Vec<Change>, CommitError>> {
+        let mut tried = vec![None; steps.len()];
+        let attempt =
+            async |client: &mut deadpool_postgres::Client, _| self.try_group(client, &steps, &mut tried).await;
+        match self.block_on(self.with_retry(attempt)) {
+            Ok(outcomes) => outcomes,
+            Err(e) => steps.iter().map(|_| Err(e.clone())).collect(),
+        }
+    }
+
+    /// Transactions that wrote steps so far (fewer than the steps when concurrent runs'
+    /// commits were grouped).
+    pub fn transactions(&self) -> u64 {
+        self.group.batches()
+    }
+
+    /// One try of [`Self::write_group`]. `tried` keeps what an earlier try computed for each
+    /// step it admitted: when that try's COMMIT got no answer, this one finds out from the
+    /// journal whether it happened.
+    async fn try_group(
         &self,
         client: &mut deadpool_postgres::Client,
-        txn: &Txn,
-        result: Option<(&str, &Value)>,
-        (pending, events): (&[Event], &[Event]),
-        changes: &mut Option<Vec<Change>>,
-    ) -> Result<Vec<Change>, Failure> {
+        steps: &[StepCommit],
+        tried: &mut [Option<Vec<Change>>],
+    ) -> Result<Vec<Result<Vec<Change>, CommitError>>, Failure> {
         let statements = CommitStatements::prepare(client).await?;
         let tx = tokio_postgres::Client::transaction(client).await?;
         let since = read(&self.state).version() as i64;
-        // One round trip for the four reads (the server runs them in order, so the others
+        // One round trip for the five reads (the server runs them in order, so the others
         // are read under the lock): the row lock serializes the commits of every process and
-        // the version follows it; then the result cache; then the documents other processes
-        // wrote since this one's state; then who holds the run (a fence, see HOLDERS).
-        let key = result.map_or("", |(key, _)| key);
-        let run_ids = runs_of(pending, events);
-        let params: [[&(dyn ToSql + Sync); 1]; 3] = [[&key], [&since], [&run_ids]];
-        let (version, cached, docs, holders) = futures::try_join!(
+        // the version follows it; then the steps' cached results; the documents other
+        // processes wrote since this one's state; who holds the steps' runs (a fence, see
+        // HOLDERS); and how far their journals go.
+        let keys: Vec<&str> = steps.iter().filter_map(|s| Some(s.result.as_ref()?.0.as_str())).collect();
+        let run_ids = runs_of(steps.iter().flat_map(|s| s.pending.iter().chain(&s.events)));
+        let journaled = runs_of(steps.iter().flat_map(|s| &s.events));
+        let params: [[&(dyn ToSql + Sync); 1]; 4] = [[&keys], [&since], [&run_ids], [&journaled]];
+        let (version, cached, docs, holders, last_seqs) = futures::try_join!(
             tx.query_one(&statements.lock, &[]),
-            tx.query_opt(&statements.cached, &params[0]),
+            tx.query(&statements.cached, &params[0]),
             tx.query(&statements.docs, &params[1]),
             tx.query(&statements.holders, &params[2]),
+            tx.query(&statements.last_seqs, &params[3]),
         )?;
         let version: i64 = version.get(0);
-        if let Some(previous) = changes.as_ref()
-            && self.committed_before(&tx, events).await?
-        {
-            return Ok(previous.clone());
-        }
-        // Before the cache: a run another process took over learns it at once.
-        let taken_over = held_elsewhere(&holders);
-        refuse_taken_over(events, &taken_over)?;
-        if let Some(row) = cached.filter(|_| result.is_some()) {
-            let output = serde_json::from_str(row.get::<_, &str>(0))
-                .map_err(|e| CommitError::Backend(format!("cached result {key}: {e}")))?;
-            return Err(CommitError::AlreadyCommitted(output).into());
-        }
         let docs: Vec<DocRow> =
             docs.iter().map(|r| (r.get(0), r.get(1), r.get(2), r.get::<_, i64>(3) as u64)).collect();
         self.apply_rows(docs, version as u64);
-        let next = version + 1;
-        let (new_changes, writes) = {
-            let state = read(&self.state);
-            txn.validate(&state).map_err(CommitError::from)?;
-            (txn.changes(&state), Writes::of(txn, &state))
+        let found = Found {
+            cached: cached.iter().map(|r| (r.get(0), r.get(1))).collect(),
+            last_seqs: last_seqs.iter().filter_map(|r| Some((r.get(0), r.get::<_, Option<i64>>(1)? as u64))).collect(),
+            tried_first: Self::first_records_of_tried(&tx, steps, tried).await?,
+            taken_over: held_elsewhere(&holders),
         };
-        *changes = Some(new_changes.clone());
+        let mut group = GroupWrites::new(read(&self.state).clone(), version);
+        let outcomes: Vec<_> =
+            steps.iter().zip(tried.iter_mut()).map(|(step, tried)| group.admit(step, tried, &found)).collect();
+        if group.admitted.is_empty() {
+            return Ok(outcomes);
+        }
         // One round trip for every write (the journal, the documents, the namespaces whose
-        // key sets changed, the cached result, the version) and the COMMIT: the version row's
-        // lock, which every process's commits queue on, is held a round trip less than with
-        // the COMMIT sent after their replies. A write that fails aborts the transaction, and
-        // the COMMIT then ends it without committing; its error is what the join returns.
-        let run_id = events.first().map_or("", |e| e.run_id.as_str());
-        let output = result.map_or(String::new(), |(_, output)| output.to_string());
+        // key sets changed, the cached results, the version) and the COMMIT: the version
+        // row's lock, which every process's commits queue on, is held a round trip less than
+        // with the COMMIT sent after their replies. A write that fails aborts the
+        // transaction, and the COMMIT then ends it without committing; its error is what the
+        // join returns.
+        let (held_back, own) = group.records();
+        let (docs, keys, results, next) = (&group.docs, &group.key_sets, &group.results, group.version);
         futures::try_join!(
-            self.write_events(&tx, &statements.journal, (pending, events), &taken_over),
-            async { Ok(tx.execute(&statements.put, &[&writes.ns, &writes.keys, &writes.bodies, &next]).await?) },
-            async { Ok(tx.execute(&statements.keys, &[&writes.key_sets, &next]).await?) },
-            async { Ok(tx.execute(&statements.cache, &[&key, &run_id, &output, &result.is_some()]).await?) },
+            self.write_events(&tx, &statements.journal, (&held_back, &own), &found.taken_over),
+            async { Ok(tx.execute(&statements.put, &[&docs.ns, &docs.keys, &docs.bodies, &docs.versions]).await?) },
+            async { Ok(tx.execute(&statements.keys, &[&keys.0, &keys.1]).await?) },
+            async { Ok(tx.execute(&statements.cache, &[&results.0, &results.1, &results.2]).await?) },
             async { Ok(tx.execute(&statements.bump, &[&next]).await?) },
             async { Ok::<_, Failure>(tx.batch_execute("COMMIT").await?) },
         )?;
         committed(tx);
         let mut state = write(&self.state);
-        // A snapshot may have caught up past this commit meanwhile: then it holds these writes.
-        if state.version() < next as u64 {
-            state.apply(next as u64, txn.writes());
+        // A snapshot may have caught up past these commits meanwhile: then it holds them.
+        for (version, step) in &group.admitted {
+            if state.version() < *version as u64 {
+                state.apply(*version as u64, step.txn.writes());
+            }
         }
-        Ok(new_changes)
+        Ok(outcomes)
     }
 
-    /// Whether an earlier try of this commit, whose COMMIT got no answer, did commit: its
-    /// first journal record is there, as it wrote it.
-    async fn committed_before(
-        &self,
+    /// The first journal record, as the database holds it, of each step an earlier try
+    /// admitted: when that try's COMMIT got no answer, a record there as the step wrote it
+    /// says that it committed. Read only on such a retry.
+    async fn first_records_of_tried(
         tx: &impl tokio_postgres::GenericClient,
-        events: &[Event],
-    ) -> Result<bool, Failure> {
+        steps: &[StepCommit],
+        tried: &[Option<Vec<Change>>],
+    ) -> Result<HashMap<(String, u64), String>, Failure> {
+        let mut found = HashMap::new();
+        for (step, _) in steps.iter().zip(tried).filter(|(_, tried)| tried.is_some()) {
+            if let Some(first) = step.events.first()
+                && let Some(body) = Self::record_body(tx, &first.run_id, first.seq).await?
+            {
+                found.insert((first.run_id.clone(), first.seq), body);
+            }
+        }
+        Ok(found)
+    }
+
+    /// The text of journal record `seq` of `run_id`, if it is there.
+    async fn record_body(
+        tx: &impl tokio_postgres::GenericClient,
+        run_id: &str,
+        seq: u64,
+    ) -> Result<Option<String>, Failure> {
+        let row =
+            tx.query_opt("SELECT body FROM events WHERE run_id = $1 AND seq = $2", &[&run_id, &(seq as i64)]).await?;
+        Ok(row.map(|r| r.get(0)))
+    }
+
+    /// Whether an earlier try of `events`' write, whose COMMIT got no answer, committed: its
+    /// first record is there, as it wrote it.
+    async fn committed_before(tx: &impl tokio_postgres::GenericClient, events: &[Event]) -> Result<bool, Failure> {
         let Some(first) = events.first() else { return Ok(false) };
-        let row = tx
-            .query_opt("SELECT body FROM events WHERE run_id = $1 AND seq = $2", &[&first.run_id, &(first.seq as i64)])
-            .await?;
         let ours = serde_json::to_string(first).map_err(|e| CommitError::Backend(e.to_string()))?;
-        Ok(row.is_some_and(|r| r.get::<_, String>(0) == ours))
+        Ok(Self::record_body(tx, &first.run_id, first.seq).await?.is_some_and(|body| body == ours))
     }
 
     /// Writes `pending` and `events` in a transaction of their own.
@@ -707,14 +731,15 @@ impl PostgresBackend {
             let journal = JournalStatements::prepare(client).await?;
             let tx = tokio_postgres::Client::transaction(client).await?;
             // A retried write whose first try committed finds its own records.
-            if tries > 1 && self.committed_before(&tx, events).await? {
+            if tries > 1 && Self::committed_before(&tx, events).await? {
                 return Ok(());
             }
-            let holders = tx.query(&holders, &[&runs_of(pending, events)]).await?;
+            let holders = tx.query(&holders, &[&runs_of(pending.iter().chain(events))]).await?;
             let taken_over = held_elsewhere(&holders);
             refuse_taken_over(events, &taken_over)?;
-            // The COMMIT goes with the records, as in `try_commit`.
-            futures::try_join!(self.write_events(&tx, &journal, (pending, events), &taken_over), async {
+            let (pending, events): (Vec<&Event>, Vec<&Event>) = (pending.iter().collect(), events.iter().collect());
+            // The COMMIT goes with the records, as in `try_group`.
+            futures::try_join!(self.write_events(&tx, &journal, (&pending, &events), &taken_over), async {
                 Ok::<_, Failure>(tx.batch_execute("COMMIT").await?)
             },)?;
             committed(tx);
@@ -729,13 +754,14 @@ fn duplicate_event(event: &Event) -> String {
     format!("{} (another process writes this run)", super::duplicate_event(event))
 }
 
-/// The statements of a step's commit ([`PostgresBackend::try_commit`]), prepared once per
+/// The statements of a group's commit ([`PostgresBackend::try_group`]), prepared once per
 /// connection and taken from its cache before the transaction begins.
 struct CommitStatements {
     lock: tokio_postgres::Statement,
     cached: tokio_postgres::Statement,
     docs: tokio_postgres::Statement,
     holders: tokio_postgres::Statement,
+    last_seqs: tokio_postgres::Statement,
     put: tokio_postgres::Statement,
     keys: tokio_postgres::Statement,
     cache: tokio_postgres::Statement,
@@ -745,24 +771,176 @@ struct CommitStatements {
 
 impl CommitStatements {
     async fn prepare(client: &deadpool_postgres::Client) -> Result<CommitStatements, Failure> {
-        let (lock, cached, docs, holders, put, keys, cache, bump) = futures::try_join!(
+        let (lock, cached, docs, holders, last_seqs) = futures::try_join!(
             client.prepare_cached("SELECT value FROM meta WHERE name = 'version' FOR UPDATE"),
-            client.prepare_cached("SELECT output FROM results WHERE key = $1"),
+            client.prepare_cached("SELECT key, output FROM results WHERE key = ANY($1)"),
             client.prepare_cached(DOCS_SINCE),
             client.prepare_cached(HOLDERS),
+            // Each run's last record off the key's end (max() with GROUP BY reads all of them).
             client.prepare_cached(
-                "INSERT INTO docs (ns, key, body, version) SELECT ns, key, body, $4 FROM unnest($1::text[], $2::text[], $3::text[]) AS w(ns, key, body)
+                "SELECT w.run_id, (SELECT e.seq FROM events e WHERE e.run_id = w.run_id ORDER BY e.seq DESC LIMIT 1)
+                 FROM unnest($1::text[]) AS w(run_id)",
+            ),
+        )?;
+        let (put, keys, cache, bump) = futures::try_join!(
+            client.prepare_cached(
+                "INSERT INTO docs (ns, key, body, version) SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[])
                  ON CONFLICT (ns, key) DO UPDATE SET body = EXCLUDED.body, version = EXCLUDED.version",
             ),
             client.prepare_cached(
-                "INSERT INTO namespaces SELECT ns, $2 FROM unnest($1::text[]) AS k(ns)
+                "INSERT INTO namespaces SELECT * FROM unnest($1::text[], $2::bigint[])
                  ON CONFLICT (ns) DO UPDATE SET keys_version = EXCLUDED.keys_version",
             ),
-            client.prepare_cached("INSERT INTO results (key, run_id, output) SELECT $1, $2, $3 WHERE $4"),
+            client.prepare_cached(
+                "INSERT INTO results (key, run_id, output) SELECT * FROM unnest($1::text[], $2::text[], $3::text[])",
+            ),
             client.prepare_cached("UPDATE meta SET value = $1 WHERE name = 'version'"),
         )?;
         let journal = JournalStatements::prepare(client).await?;
-        Ok(CommitStatements { lock, cached, docs, holders, put, keys, cache, bump, journal })
+        Ok(CommitStatements { lock, cached, docs, holders, last_seqs, put, keys, cache, bump, journal })
+    }
+}
+
+/// One step's commit, owned so that whichever caller leads the group writes it.
+struct StepCommit {
+    txn: Txn,
+    /// The call's idempotency key and its output (JSON text).
+    result: Option<(String, String)>,
+    /// The run's records held back since its last commit, written before `events`.
+    pending: Vec<Event>,
+    events: Vec<Event>,
+}
+
+/// What a group's transaction read under the version row's lock.
+struct Found {
+    /// The steps' idempotency keys that have a cached result, with it.
+    cached: HashMap<String, String>,
+    /// The last journal record of each run the steps write records of: a run's records are
+    /// written in order, without gaps (`tests/backend.rs`), so any of its records up to this
+    /// one is there already.
+    last_seqs: HashMap<String, u64>,
+    /// The first records of steps an earlier try admitted, as the database holds them.
+    tried_first: HashMap<(String, u64), String>,
+    /// Runs of the steps that another process holds now, with their holders.
+    taken_over: HashMap<String, String>,
+}
+
+/// What a group's admitted steps write, gathered step by step on the state they meet.
+struct GroupWrites<'s> {
+    /// The database's state with the admitted steps applied.
+    state: State,
+    /// The last version given to a step (the database's before the first).
+    version: i64,
+    admitted: Vec<(i64, &'s StepCommit)>,
+    /// Each document's last write in the group and that step's version: one row each (a
+    /// statement may not update a row twice).
+    docs: DocColumns,
+    /// Namespaces in which a key appeared or disappeared, with the last such version.
+    key_sets: (Vec<String>, Vec<i64>),
+    /// Cached results: keys, run ids, outputs.
+    results: (Vec<String>, Vec<String>, Vec<String>),
+}
+
+#[derive(Default)]
+struct DocColumns {
+    /// Where each document's row is.
+    rows: HashMap<(String, String), usize>,
+    ns: Vec<String>,
+    keys: Vec<String>,
+    /// None: deleted (the row stays, so other processes see the delete).
+    bodies: Vec<Option<String>>,
+    versions: Vec<i64>,
+}
+
+impl<'s> GroupWrites<'s> {
+    fn new(state: State, version: i64) -> GroupWrites<'s> {
+        GroupWrites {
+            state,
+            version,
+            admitted: Vec::new(),
+            docs: DocColumns::default(),
+            key_sets: (Vec::new(), Vec::new()),
+            results: (Vec::new(), Vec::new(), Vec::new()),
+        }
+    }
+
+    /// Refuses `step` (writing nothing of it) or admits it as the next version.
+    fn admit(
+        &mut self,
+        step: &'s StepCommit,
+        tried: &mut Option<Vec<Change>>,
+        found: &Found,
+    ) -> Result<Vec<Change>, CommitError> {
+        // An earlier try whose COMMIT got no answer wrote it: its first record is there, as it wrote it.
+        if let (Some(previous), Some(first)) = (tried.as_ref(), step.events.first())
+            && let Some(body) = found.tried_first.get(&(first.run_id.clone(), first.seq))
+            && serde_json::to_string(first).is_ok_and(|ours| *body == ours)
+        {
+            return Ok(previous.clone());
+        }
+        // Before the cache: a run another process took over learns it at once.
+        refuse_taken_over(&step.events, &found.taken_over)?;
+        if let Some(event) =
+            step.events.iter().find(|e| found.last_seqs.get(&e.run_id).is_some_and(|&last| e.seq <= last))
+        {
+            return Err(CommitError::Backend(duplicate_event(event)));
+        }
+        if let Some((key, _)) = &step.result {
+            let earlier = self.results.0.iter().position(|k| k == key).map(|i| &self.results.2[i]);
+            if let Some(output) = found.cached.get(key).or(earlier) {
+                let output = serde_json::from_str(output)
+                    .map_err(|e| CommitError::Backend(format!("cached result {key}: {e}")))?;
+                return Err(CommitError::AlreadyCommitted(output));
+            }
+        }
+        step.txn.validate(&self.state)?;
+        self.version += 1;
+        let changes = step.txn.changes(&self.state);
+        for (ns, key, text) in step.txn.writes() {
+            if self.state.get(ns, key).is_some() != text.is_some() {
+                match self.key_sets.0.iter().position(|n| n == ns) {
+                    Some(i) => self.key_sets.1[i] = self.version,
+                    None => {
+                        self.key_sets.0.push(ns.to_string());
+                        self.key_sets.1.push(self.version);
+                    }
+                }
+            }
+            self.docs.put(ns, key, text.map(|t| t.to_string()), self.version);
+        }
+        self.state.apply(self.version as u64, step.txn.writes());
+        if let Some((key, output)) = &step.result {
+            let run_id = step.events.first().map_or("", |e| e.run_id.as_str());
+            self.results.0.push(key.clone());
+            self.results.1.push(run_id.to_string());
+            self.results.2.push(output.clone());
+        }
+        self.admitted.push((self.version, step));
+        *tried = Some(changes.clone());
+        Ok(changes)
+    }
+
+    /// The admitted steps' held-back records and their own, in order.
+    fn records(&self) -> (Vec<&'s Event>, Vec<&'s Event>) {
+        let held_back = self.admitted.iter().flat_map(|(_, s)| &s.pending).collect();
+        let own = self.admitted.iter().flat_map(|(_, s)| &s.events).collect();
+        (held_back, own)
+    }
+}
+
+impl DocColumns {
+    /// Records a write of `ns`/`key`, replacing an earlier one of the group.
+    fn put(&mut self, ns: &str, key: &str, body: Option<String>, version: i64) {
+        match self.rows.get(&(ns.to_string(), key.to_string())) {
+            Some(&i) => (self.bodies[i], self.versions[i]) = (body, version),
+            None => {
+                self.rows.insert((ns.to_string(), key.to_string()), self.ns.len());
+                self.ns.push(ns.to_string());
+                self.keys.push(key.to_string());
+                self.bodies.push(body);
+                self.versions.push(version);
+            }
+        }
     }
 }
 
@@ -821,12 +999,12 @@ impl<'a> Records<'a> {
 }
 
 /// What a failed journal write means: a record of `own` already there is named as such.
-fn journal_failure(e: tokio_postgres::Error, own: &[Event]) -> Failure {
+fn journal_failure(e: tokio_postgres::Error, own: &[&Event]) -> Failure {
     if e.code() == Some(&SqlState::UNIQUE_VIOLATION) {
         // The server names the key: "Key (run_id, seq)=(r, 2) already exists."
         let detail = e.as_db_error().and_then(|d| d.detail()).unwrap_or_default();
         let there = own.iter().find(|ev| detail.contains(&format!("=({}, {})", ev.run_id, ev.seq)));
-        if let Some(event) = there.or(own.first()) {
+        if let Some(event) = there.or(own.first()).copied() {
             return Failure::Fatal(CommitError::Backend(duplicate_event(event)));
         }
     }
@@ -848,8 +1026,8 @@ fn committed(tx: tokio_postgres::Transaction<'_>) {
 const HOLDERS: &str = "SELECT run_id, owner FROM runs WHERE run_id = ANY($1) FOR SHARE";
 
 /// The runs whose events are written, for [`HOLDERS`].
-fn runs_of(pending: &[Event], events: &[Event]) -> Vec<String> {
-    let mut run_ids: Vec<String> = pending.iter().chain(events).map(|e| e.run_id.clone()).collect();
+fn runs_of<'a>(events: impl Iterator<Item = &'a Event>) -> Vec<String> {
+    let mut run_ids: Vec<String> = events.map(|e| e.run_id.clone()).collect();
     run_ids.sort_unstable();
     run_ids.dedup();
     run_ids
@@ -905,16 +1083,20 @@ impl Backend for PostgresBackend {
     }
 
     fn commit(&self, txn: &Txn, result: Option<(&str, &Value)>, events: &[Event]) -> Result<Vec<Change>, CommitError> {
-        // Commits of one process overlap (they queue on the version row's lock in the server);
-        // each run's commits come one at a time, from the engine, in journal order.
+        // Concurrent runs' commits share a transaction (group commit); each run's commits
+        // come one at a time, from the engine, in journal order.
         let run_id = events.first().map(|e| e.run_id.as_str());
-        self.block_on(self.carrying_pending(run_id, async |pending| {
-            let mut changes = None;
-            let attempt = async |client: &mut deadpool_postgres::Client, _| {
-                self.try_commit(client, txn, result, (pending, events), &mut changes).await
+        self.carrying_pending(run_id, |pending| {
+            let step = StepCommit {
+                txn: txn.clone(),
+                result: result.map(|(key, output)| (key.to_string(), output.to_string())),
+                pending,
+                events: events.to_vec(),
             };
-            self.with_retry(attempt).await
-        }))
+            self.group.submit(step, |steps| self.write_group(steps)).unwrap_or_else(|_| {
+                Err(CommitError::Backend("the commit sharing this step's transaction panicked".to_string()))
+            })
+        })
         .map_err(|e| self.named(e))
     }
 
@@ -924,7 +1106,7 @@ impl Backend for PostgresBackend {
             return Ok(());
         }
         let run_id = events.first().map(|e| e.run_id.as_str());
-        self.block_on(self.carrying_pending(run_id, async |pending| self.write_now(pending, events).await))
+        self.carrying_pending(run_id, |pending| self.block_on(self.write_now(&pending, events)))
             .map_err(|e| self.named(e))
     }
 
@@ -1084,7 +1266,10 @@ impl Backend for PostgresBackend {
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{assert_every_commit_there, commit_at_once, counting, event};
     use super::*;
+    use crate::saga::journal::EventKind;
+    use crate::store::WriteQuota;
     use crate::test_postgres as server;
 
     /// The shared buffers PostgreSQL reads to claim one run from a queue of `queued` runs, and
@@ -1131,6 +1316,100 @@ mod tests {
         assert_eq!((first.as_str(), first_of_many.as_str()), ("q000000", "q000000"), "not the oldest run");
         // Scanning the whole table read all of its pages (1,367 buffers here).
         assert!(long <= 2 * short + 10, "a claim read {long} buffers from 20,000 queued runs, {short} from 10");
+    }
+
+    fn run_record(run_id: &str) -> RunRecord {
+        RunRecord::starting(run_id, "s", "s.json", "{}".into(), &serde_json::json!({}), 1)
+    }
+
+    fn step(db: &PostgresBackend, counter: &str, key: &str, result: Option<&str>, event: Event) -> StepCommit {
+        StepCommit {
+            txn: counting(db, counter, key),
+            result: result.map(|k| (k.to_string(), serde_json::json!(key).to_string())),
+            pending: Vec::new(),
+            events: vec![event],
+        }
+    }
+
+    fn seeded(tag: &str) -> (server::Schema, PostgresBackend) {
+        let schema = server::Schema::new(tag);
+        let db = PostgresBackend::open(&schema.url).unwrap();
+        let seed = State::from_json(&serde_json::json!({ "pools": { "p": { "allocated": 0 } } })).unwrap();
+        assert!(db.seed_if_new(&seed).unwrap());
+        (schema, db)
+    }
+
+    #[test]
+    fn a_group_writes_each_step_on_its_own_and_refuses_only_the_bad_ones() {
+        let (schema, db) = seeded("group");
+        db.commit(&Txn::new(db.snapshot(), WriteQuota::default()), Some(("cached", &serde_json::json!("first"))), &[])
+            .unwrap();
+        for run in ["r", "s", "t", "u", "v", "w", "x"] {
+            db.register_run(&run_record(run)).unwrap();
+        }
+        db.record(&[event("r", 0, EventKind::SagaStarted)]).unwrap();
+        server::execute(&format!("UPDATE {}.runs SET owner = 'elsewhere/1/a' WHERE run_id = 'x'", schema.name));
+        let mut both = step(&db, "q", "shared", None, event("w", 0, EventKind::StepCompleted));
+        both.txn.put("marks", "a", "{\"again\":true}").unwrap();
+        let steps = vec![
+            step(&db, "p", "a", Some("ka"), event("r", 1, EventKind::StepCompleted)),
+            // Read the counter before `a` wrote it, in the same transaction: a conflict.
+            step(&db, "p", "stale", None, event("s", 0, EventKind::StepCompleted)),
+            // Another delivery of a call that committed before, and of one earlier in the group.
+            step(&db, "q", "again", Some("cached"), event("t", 0, EventKind::StepCompleted)),
+            step(&db, "q", "twice", Some("ka"), event("t", 0, EventKind::StepCompleted)),
+            // A journal record that is already there.
+            step(&db, "q", "dup", None, event("r", 0, EventKind::StepCompleted)),
+            // A run another process took over.
+            step(&db, "q", "fenced", None, event("x", 0, EventKind::StepCompleted)),
+            // Held-back records go before the step's own.
+            StepCommit {
+                pending: vec![event("v", 0, EventKind::StepStarted)],
+                ..step(&db, "v", "b", None, event("v", 1, EventKind::StepCompleted))
+            },
+            // The same document as `a`, written again later in the group (one row each).
+            both,
+            StepCommit {
+                events: vec![event("r", 2, EventKind::SagaFinished).data(serde_json::json!({ "status": "failed" }))],
+                ..step(&db, "u", "c", None, event("r", 2, EventKind::SagaFinished))
+            },
+        ];
+        let outcomes = db.write_group(steps);
+        assert_eq!(outcomes[0].as_ref().ok().map(Vec::len), Some(2));
+        assert!(matches!(&outcomes[1], Err(CommitError::Conflict(c)) if c.key == "p"), "{:?}", outcomes[1]);
+        assert!(matches!(&outcomes[2], Err(CommitError::AlreadyCommitted(v)) if v == "first"));
+        assert!(matches!(&outcomes[3], Err(CommitError::AlreadyCommitted(v)) if v == "a"), "{:?}", outcomes[3]);
+        assert!(matches!(&outcomes[4], Err(CommitError::Backend(m)) if m.contains("seq 0")), "{:?}", outcomes[4]);
+        assert!(matches!(&outcomes[5], Err(CommitError::TakenOver { run_id, .. }) if run_id == "x"));
+        assert!(outcomes[6..].iter().all(Result::is_ok), "{:?}", &outcomes[6..]);
+        assert_eq!(db.transactions(), 1);
+
+        // What the refused steps would have written is not there; the others are, for a new
+        // handle as for this one.
+        let again = PostgresBackend::open(&schema.url).unwrap();
+        let state = again.current_state().unwrap();
+        assert_eq!(state.digest(), db.snapshot().digest());
+        let marks: Vec<String> = state.namespace("marks").unwrap().iter().map(|(k, _)| k.to_string()).collect();
+        assert_eq!(marks, ["a", "b", "c", "shared"]);
+        assert_eq!(&*state.get("marks", "a").unwrap().text, "{\"again\":true}");
+        assert_eq!(again.cached("ka"), Some(serde_json::json!("a")));
+        let kinds = |run: &str| again.events(run).unwrap().into_iter().map(|e| (e.seq, e.event)).collect::<Vec<_>>();
+        use EventKind::*;
+        assert_eq!(kinds("r"), [(0, SagaStarted), (1, StepCompleted), (2, SagaFinished)]);
+        assert_eq!(kinds("v"), [(0, StepStarted), (1, StepCompleted)]);
+        assert!(kinds("s").is_empty() && kinds("t").is_empty() && kinds("x").is_empty());
+        let status = |run: &str| again.runs().unwrap().into_iter().find(|r| r.run_id == run).unwrap().status;
+        assert_eq!((status("r"), status("v")), ("failed".to_string(), "running".to_string()));
+    }
+
+    #[test]
+    fn concurrent_commits_share_transactions_and_every_acknowledged_one_is_durable() {
+        let (schema, db) = seeded("grouped");
+        let db = std::sync::Arc::new(db);
+        let total = commit_at_once(db.clone(), 8, 40);
+        let transactions = db.transactions();
+        assert_every_commit_there(&PostgresBackend::open(&schema.url).unwrap(), 8, 40);
+        assert!(transactions < total, "{transactions} transactions for {total} commits: none were grouped");
     }
 
     #[test]

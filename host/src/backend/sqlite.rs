@@ -1015,6 +1015,7 @@ impl SqliteBackend {
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{assert_every_commit_there, commit_at_once, counting, event};
     use super::*;
     use crate::saga::journal::{DocWrite, EventKind};
     use crate::store::WriteQuota;
@@ -1056,13 +1057,6 @@ mod tests {
 
     fn run_record(run_id: &str, pid: u32) -> RunRecord {
         RunRecord { pid, ..RunRecord::starting(run_id, "s", "s.json", "{}".into(), &json!({}), 1) }
-    }
-
-    fn event(run_id: &str, seq: u64, kind: EventKind) -> Event {
-        let mut event = Event::new(kind);
-        event.run_id = run_id.into();
-        event.seq = seq;
-        event
     }
 
     #[test]
@@ -1290,17 +1284,6 @@ mod tests {
         }
     }
 
-    /// A transaction that adds one to the counter `pools/{counter}` and writes `marks/{key}`.
-    fn counting(db: &SqliteBackend, counter: &str, key: &str) -> Txn {
-        let mut txn = Txn::new(db.snapshot(), WriteQuota::default());
-        let n = txn
-            .get("pools", counter)
-            .map_or(0, |t| serde_json::from_str::<Value>(&t).unwrap()["allocated"].as_u64().unwrap());
-        txn.put("pools", counter, &json!({ "allocated": n + 1 }).to_string()).unwrap();
-        txn.put("marks", key, "{}").unwrap();
-        txn
-    }
-
     fn records(events: &[Event]) -> Vec<Record> {
         events.iter().map(|e| Record::of(e).unwrap()).collect()
     }
@@ -1392,37 +1375,10 @@ mod tests {
         let path = dir.path().join("db.sqlite");
         let db = std::sync::Arc::new(SqliteBackend::open(&path, Durability::Full).unwrap());
         db.seed(&state()).unwrap();
-        let (threads, commits) = (8, 40);
-        let barrier = std::sync::Arc::new(std::sync::Barrier::new(threads));
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let (db, barrier) = (db.clone(), barrier.clone());
-                std::thread::spawn(move || {
-                    barrier.wait();
-                    let run = format!("run{t}");
-                    for seq in 0..commits {
-                        // Each run writes its own counter: nothing conflicts, so nothing may fail.
-                        let txn = counting(&db, &run, &format!("{t}-{seq}"));
-                        db.commit(&txn, None, &[event(&run, seq, EventKind::StepCompleted)]).unwrap();
-                    }
-                })
-            })
-            .collect();
-        for handle in handles {
-            handle.join().unwrap();
-        }
-        let total = (threads * commits as usize) as u64;
+        let total = commit_at_once(db.clone(), 8, 40);
         let transactions = db.transactions();
         drop(db);
-        let db = open(&path);
-        let state = db.current_state().unwrap();
-        assert_eq!(state.namespace("marks").unwrap().len() as u64, total);
-        for t in 0..threads {
-            let counter: Value = serde_json::from_str(&state.get("pools", &format!("run{t}")).unwrap().text).unwrap();
-            assert_eq!(counter["allocated"], commits, "a commit of run{t} was lost or applied twice");
-            let seqs: Vec<u64> = db.events(&format!("run{t}")).unwrap().iter().map(|e| e.seq).collect();
-            assert_eq!(seqs, (0..commits).collect::<Vec<_>>());
-        }
+        assert_every_commit_there(&open(&path), 8, 40);
         assert!(transactions < total, "{transactions} transactions for {total} commits: none were grouped");
     }
 
