@@ -6,8 +6,10 @@
 //! the journal events that record it commit in one transaction. Commits are serialized by
 //! a row lock on the store's version counter (`meta`), under which a commit is validated
 //! against every commit before it, so concurrent processes never lose updates; it takes
-//! its version from that counter. Each process keeps the state in memory (an O(1)-snapshot
-//! [`State`]) and catches up by reading only the documents written since its version.
+//! its version from that counter. The steps a process commits at once share one such
+//! transaction (group commit, [`super::group`]), each still checked and refused on its own.
+//! Each process keeps the state in memory (an O(1)-snapshot [`State`]) and catches up by
+//! reading only the documents written since its version.
 //!
 //! The schema is created and migrated by sagabox itself ([`MIGRATIONS`], embedded in the
 //! binary, applied once under an advisory lock). Tables live in the connection's current
@@ -506,10 +508,11 @@ impl PostgresBackend {
     }
 
     /// Writes `pending` (held back earlier), then `events`, in `tx`, and records run ends,
-    /// with `statements` prepared on `tx`'s connection. `taken_over`: the runs that another process holds,
-    /// read in `tx` ([`HOLDERS`]); the caller has refused `events` of them, and their
-    /// `pending` ones are dropped with a warning. A pending record that is already there is
-    /// dropped with a warning; one of `events` fails its statement, and so the transaction.
+    /// with `statements` prepared on `tx`'s connection. `taken_over`: the runs that another
+    /// process holds, read in `tx` ([`HOLDERS`]); the caller has refused `events` of them,
+    /// and their `pending` ones are dropped with a warning. A pending record that is already
+    /// there is dropped with a warning; one of `events` fails its statement, and so the
+    /// transaction.
     ///
     /// Its statements are all sent when the future is first polled, before any reply is
     /// awaited: a COMMIT polled after it in the same round trip runs after them.
