@@ -691,32 +691,31 @@ impl PostgresBackend {
 
     /// The first journal record, as the database holds it, of each step an earlier try
     /// admitted: when that try's COMMIT got no answer, a record there as the step wrote it
-    /// says that it committed. Read only on such a retry.
+    /// says that it committed. Read (in one statement) only on such a retry.
     async fn first_records_of_tried(
         tx: &impl tokio_postgres::GenericClient,
         steps: &[StepCommit],
         tried: &[Option<Vec<Change>>],
     ) -> Result<HashMap<(String, u64), String>, Failure> {
-        let mut found = HashMap::new();
-        for (step, _) in steps.iter().zip(tried).filter(|(_, tried)| tried.is_some()) {
-            if let Some(first) = step.events.first()
-                && let Some(body) = Self::record_body(tx, &first.run_id, first.seq).await?
-            {
-                found.insert((first.run_id.clone(), first.seq), body);
-            }
+        let firsts: Vec<&Event> = steps
+            .iter()
+            .zip(tried)
+            .filter(|(_, tried)| tried.is_some())
+            .filter_map(|(s, _)| s.events.first())
+            .collect();
+        if firsts.is_empty() {
+            return Ok(HashMap::new());
         }
-        Ok(found)
-    }
-
-    /// The text of journal record `seq` of `run_id`, if it is there.
-    async fn record_body(
-        tx: &impl tokio_postgres::GenericClient,
-        run_id: &str,
-        seq: u64,
-    ) -> Result<Option<String>, Failure> {
-        let row =
-            tx.query_opt("SELECT body FROM events WHERE run_id = $1 AND seq = $2", &[&run_id, &(seq as i64)]).await?;
-        Ok(row.map(|r| r.get(0)))
+        let runs: Vec<&str> = firsts.iter().map(|e| e.run_id.as_str()).collect();
+        let seqs: Vec<i64> = firsts.iter().map(|e| e.seq as i64).collect();
+        let rows = tx
+            .query(
+                "SELECT e.run_id, e.seq, e.body FROM events e
+                 JOIN unnest($1::text[], $2::bigint[]) AS w(run_id, seq) ON e.run_id = w.run_id AND e.seq = w.seq",
+                &[&runs, &seqs],
+            )
+            .await?;
+        Ok(rows.iter().map(|r| ((r.get(0), r.get::<_, i64>(1) as u64), r.get(2))).collect())
     }
 
     /// Whether an earlier try of `events`' write, whose COMMIT got no answer, committed: its
@@ -724,7 +723,10 @@ impl PostgresBackend {
     async fn committed_before(tx: &impl tokio_postgres::GenericClient, events: &[Event]) -> Result<bool, Failure> {
         let Some(first) = events.first() else { return Ok(false) };
         let ours = serde_json::to_string(first).map_err(|e| CommitError::Backend(e.to_string()))?;
-        Ok(Self::record_body(tx, &first.run_id, first.seq).await?.is_some_and(|body| body == ours))
+        let row = tx
+            .query_opt("SELECT body FROM events WHERE run_id = $1 AND seq = $2", &[&first.run_id, &(first.seq as i64)])
+            .await?;
+        Ok(row.is_some_and(|r| r.get::<_, String>(0) == ours))
     }
 
     /// Writes `pending` and `events` in a transaction of their own.
@@ -1403,6 +1405,26 @@ mod tests {
         assert!(kinds("s").is_empty() && kinds("t").is_empty() && kinds("x").is_empty());
         let status = |run: &str| again.runs().unwrap().into_iter().find(|r| r.run_id == run).unwrap().status;
         assert_eq!((status("r"), status("v")), ("failed".to_string(), "running".to_string()));
+    }
+
+    #[test]
+    fn a_group_tried_again_after_its_commit_went_through_writes_nothing_twice() {
+        let (schema, db) = seeded("retried");
+        let steps = vec![
+            step(&db, "p", "a", Some("ka"), event("r", 0, EventKind::StepCompleted)),
+            step(&db, "p", "stale", None, event("s", 0, EventKind::StepCompleted)),
+        ];
+        let mut tried = vec![None; steps.len()];
+        let mut try_once =
+            || db.block_on(db.with_retry(async |client, _| db.try_group(client, &steps, &mut tried).await));
+        let first = try_once().unwrap();
+        // As when the first try's COMMIT got no answer: the same group is tried again.
+        let again = try_once().unwrap();
+        assert_eq!(again[0].as_ref().ok(), first[0].as_ref().ok(), "{again:?}");
+        assert!(matches!(&again[1], Err(CommitError::Conflict(_))), "{again:?}");
+        let state = PostgresBackend::open(&schema.url).unwrap().current_state().unwrap();
+        assert_eq!(&*state.get("pools", "p").unwrap().text, r#"{"allocated":1}"#, "the step was applied twice");
+        assert_eq!(db.events("r").unwrap().len(), 1);
     }
 
     #[test]

@@ -76,9 +76,8 @@ fn undo_list(doc: &mut Option<Value>, path: &str, before: &[Value], after: &[Val
     }
     // Only the part between what the edit left alone at either end can differ (an append
     // is one element), so only that part is counted.
-    let same = |(b, a): (&Value, &Value)| b == a;
-    let head = before.iter().zip(after).take_while(|&pair| same(pair)).count();
-    let tail = before[head..].iter().rev().zip(after[head..].iter().rev()).take_while(|&pair| same(pair)).count();
+    let head = before.iter().zip(after).take_while(|(b, a)| b == a).count();
+    let tail = before[head..].iter().rev().zip(after[head..].iter().rev()).take_while(|(b, a)| b == a).count();
     let (before_part, after_part) = (&before[head..before.len() - tail], &after[head..after.len() - tail]);
     let (added, removed) = (missing_from(after_part, before_part), missing_from(before_part, after_part));
     if added.is_empty() && removed.is_empty() {
