@@ -7,7 +7,8 @@ use std::sync::Arc;
 use crate::support;
 
 use sagabox::backend::{
-    Backend, CommitError, Durability, MemoryBackend, PostgresBackend, RegisterError, RunRecord, SqliteBackend,
+    Backend, BeforeCall, CommitError, Durability, MemoryBackend, PostgresBackend, RegisterError, RunRecord,
+    SqliteBackend,
 };
 use sagabox::saga::journal::{Event, EventKind};
 use sagabox::store::{Change, State, Txn, WriteQuota};
@@ -160,6 +161,29 @@ fn cached_returns_only_committed_results(open: Open) {
     // A commit with no result caches nothing, and leaves the cache as it was.
     backend.commit(&txn(&*backend), None, &[]).unwrap();
     assert_eq!(backend.cached("k"), Some(json!({ "id": "o" })));
+}
+
+fn before_a_call_its_cached_result_or_else_a_caught_up_state_is_read(open: Open) {
+    let subject = open(&pools());
+    let (a, b) = (&subject.backend, (subject.reopen)());
+    // b, as another process, commits a write and a result; a has not looked since.
+    let mut t = txn(&*b);
+    t.put("pools", "p", r#"{"allocated":7}"#).unwrap();
+    b.commit(&t, Some(("k", &json!({ "id": 1 }))), &[]).unwrap();
+    match a.cached_or_snapshot("k") {
+        BeforeCall::Cached(output) => assert_eq!(output, json!({ "id": 1 })),
+        BeforeCall::Fresh(_) => panic!("the result cached by the other handle was not found"),
+    }
+    let fresh = match a.cached_or_snapshot("other") {
+        BeforeCall::Fresh(state) => state,
+        BeforeCall::Cached(output) => panic!("nothing is cached under 'other', found {output}"),
+    };
+    assert_eq!(text(&fresh, "pools", "p").as_deref(), Some(r#"{"allocated":7}"#), "a did not catch up");
+    // A call run on that state commits without a false conflict.
+    let mut after = Txn::new(fresh, WriteQuota::default());
+    after.get("pools", "p");
+    after.put("pools", "p", r#"{"allocated":8}"#).unwrap();
+    a.commit(&after, None, &[]).unwrap();
 }
 
 fn the_journal_keeps_every_event_in_order_without_gaps(open: Open) {
@@ -581,6 +605,7 @@ macro_rules! conformance {
                 a_conflicting_commit_is_refused_and_writes_nothing,
                 a_second_commit_under_one_key_returns_the_first_output_and_writes_nothing,
                 cached_returns_only_committed_results,
+                before_a_call_its_cached_result_or_else_a_caught_up_state_is_read,
                 the_journal_keeps_every_event_in_order_without_gaps,
                 the_run_registry_round_trips,
                 snapshots_are_isolated_from_later_commits,

@@ -175,6 +175,14 @@ pub fn this_host() -> &'static str {
     })
 }
 
+/// What [`Backend::cached_or_snapshot`] found.
+pub enum BeforeCall {
+    /// An earlier delivery's result: the call is not run again.
+    Cached(Value),
+    /// No result cached: the state to run the call on.
+    Fresh(State),
+}
+
 /// Where runs keep their state. A call's writes, its cached result and the journal events
 /// that record it commit together or not at all.
 pub trait Backend: Send + Sync {
@@ -194,6 +202,16 @@ pub trait Backend: Send + Sync {
 
     /// The cached result of the call with this idempotency key, if it succeeded before.
     fn cached(&self, key: &str) -> Option<Value>;
+
+    /// What a call about to run looks up first: its result cached under `key`, or else the
+    /// state to run it on (as [`Backend::snapshot`]). A backend across a network reads both
+    /// in one round trip.
+    fn cached_or_snapshot(&self, key: &str) -> BeforeCall {
+        match self.cached(key) {
+            Some(output) => BeforeCall::Cached(output),
+            None => BeforeCall::Fresh(self.snapshot()),
+        }
+    }
 
     /// Whether commits may block on storage (files, network): the engine then makes them
     /// off the async workers.

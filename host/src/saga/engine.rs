@@ -29,14 +29,14 @@ use super::fault::{Fault, FaultPlan, Phase};
 use super::journal::{DocWrite, ErrorInfo, Event, EventKind, JournalSink};
 use super::plan::{Plan, PlannedStep, merge_args};
 use super::report::{CompensationFailure, NetChange, RunReport, Status, StepReport, StepStatus};
-use crate::backend::{Backend, CommitError};
+use crate::backend::{Backend, BeforeCall, CommitError};
 use crate::ids::{cache_key, idempotency_key_of_text};
 use crate::json::DocText;
 use crate::runtime::{
     CallArgs, CallContext, CallError, CallFailure, CallOptions, CommitAttempt, FailureKind, InjectedFault, Runtime,
 };
-use crate::store::Txn;
 use crate::store::undo::without_writes;
+use crate::store::{State, Txn};
 
 /// How to run a saga.
 #[derive(Clone)]
@@ -251,6 +251,14 @@ enum Attempt {
     Failed(ErrorInfo),
     /// The saga's deadline passed before or while it ran; it wrote nothing.
     TimedOut,
+}
+
+/// What the cache said of a call about to be delivered.
+enum Replay {
+    /// An earlier delivery's result, recorded as a replay.
+    Delivered(Value),
+    /// Run it, on this state if the backend read one with the cache.
+    Run(Option<State>),
 }
 
 /// Runs `saga` on `backend`. Never panics on plugin or input behaviour: every failure ends
@@ -793,14 +801,15 @@ impl<'a> Run<'a> {
         if let Some(failure) = synthesized_failure(call, attempt, fault) {
             return failure;
         }
-        if let Some(output) = self.replay(call, attempt) {
-            return Attempt::Delivered { output };
-        }
+        let fresh = match self.replay(call, attempt) {
+            Replay::Delivered(output) => return Attempt::Delivered { output },
+            Replay::Run(fresh) => fresh,
+        };
         if call.phase == Phase::Action && self.past_deadline() {
             return Attempt::TimedOut;
         }
         let options = self.call_options(call, attempt, fault);
-        self.invoke_and_commit(call, attempt, &options, fault == Some(Fault::LostResponse)).await
+        self.invoke_and_commit(call, attempt, &options, fault == Some(Fault::LostResponse), fresh).await
     }
 
     /// The event that records a delivery of `call`.
@@ -812,12 +821,17 @@ impl<'a> Run<'a> {
         Event::new(kind).step(&call.step.id, call.tool).attempt(attempt, call.key)
     }
 
-    /// The cached result of a call that already took effect, recorded as a replay.
-    fn replay(&self, call: &Call<'_>, attempt: u32) -> Option<Value> {
-        let cache_key = call.cache_key?;
-        let output = self.blocking(|| self.backend.cached(cache_key))?;
-        self.record_replay(call, attempt, &output);
-        Some(output)
+    /// The cached result of a call that already took effect, recorded as a replay; else the
+    /// state to run it on, when the backend read it with the cache.
+    fn replay(&self, call: &Call<'_>, attempt: u32) -> Replay {
+        let Some(cache_key) = call.cache_key else { return Replay::Run(None) };
+        match self.blocking(|| self.backend.cached_or_snapshot(cache_key)) {
+            BeforeCall::Cached(output) => {
+                self.record_replay(call, attempt, &output);
+                Replay::Delivered(output)
+            }
+            BeforeCall::Fresh(state) => Replay::Run(Some(state)),
+        }
     }
 
     fn record_replay(&self, call: &Call<'_>, attempt: u32, output: &Value) {
@@ -858,8 +872,17 @@ impl<'a> Run<'a> {
 
     /// Runs the call and commits its writes with the event that records it (a lost reply
     /// commits its effect with a `lost_response` failure record and caches nothing).
-    async fn invoke_and_commit(&self, call: &Call<'_>, attempt: u32, options: &CallOptions, lost: bool) -> Attempt {
+    /// `fresh`: a snapshot just read, for the call's first run.
+    async fn invoke_and_commit(
+        &self,
+        call: &Call<'_>,
+        attempt: u32,
+        options: &CallOptions,
+        lost: bool,
+        fresh: Option<State>,
+    ) -> Attempt {
         let started = Instant::now();
+        let fresh = Mutex::new(fresh);
         let record = |output: &Value| -> Event {
             if lost {
                 // The key names the effect for the compensator of a resumed run.
@@ -881,7 +904,7 @@ impl<'a> Run<'a> {
                 call.tool,
                 call.args,
                 options,
-                || self.blocking(|| self.backend.snapshot()),
+                || lock(&fresh).take().unwrap_or_else(|| self.blocking(|| self.backend.snapshot())),
                 |invocation, output| {
                     let result = call.cache_key.filter(|_| !lost).map(|cache_key| (cache_key, output));
                     match self.commit(&invocation.txn, result, vec![record(output)]) {
