@@ -150,6 +150,21 @@ fn a_second_commit_under_one_key_returns_the_first_output_and_writes_nothing(ope
     assert_eq!(seqs(&*backend, "r"), [0], "the second delivery wrote to the journal");
 }
 
+fn a_seeded_state_larger_than_a_batch_reads_back_whole(open: Open) {
+    // Three namespaces of 4,000 to 6,000 documents: more than one batch of inserts each.
+    let seed: serde_json::Map<String, Value> = (0..3)
+        .map(|n| {
+            let docs = (0..4_000 + 1_000 * n).map(|k| (format!("k{k}"), json!({ "n": n, "k": k }))).collect();
+            (format!("ns{n}"), Value::Object(docs))
+        })
+        .collect();
+    let state = State::from_json(&Value::Object(seed)).unwrap();
+    let subject = open(&state);
+    let read_back = (subject.reopen)().current_state().unwrap();
+    assert_eq!(read_back.doc_count(), 15_000);
+    assert_eq!(read_back.digest(), state.digest());
+}
+
 fn cached_returns_only_committed_results(open: Open) {
     let backend = open(&pools());
     assert_eq!(backend.cached("k"), None);
@@ -604,6 +619,7 @@ macro_rules! conformance {
                 commit_applies_writes_and_returns_changes,
                 a_conflicting_commit_is_refused_and_writes_nothing,
                 a_second_commit_under_one_key_returns_the_first_output_and_writes_nothing,
+                a_seeded_state_larger_than_a_batch_reads_back_whole,
                 cached_returns_only_committed_results,
                 before_a_call_its_cached_result_or_else_a_caught_up_state_is_read,
                 the_journal_keeps_every_event_in_order_without_gaps,

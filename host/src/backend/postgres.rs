@@ -105,6 +105,9 @@ static CLAIM: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     )
 });
 
+/// Documents a seeding statement inserts.
+const SEED_ROWS: usize = 5_000;
+
 /// The store's version (the last commit's).
 const VERSION: &str = "SELECT value FROM meta WHERE name = 'version'";
 /// The documents written after version $1, in the order they were written.
@@ -1249,13 +1252,22 @@ impl Backend for PostgresBackend {
             if version != 0 || runs != 0 || docs != 0 {
                 return Ok(false);
             }
-            let put = tx.prepare("INSERT INTO docs (ns, key, body, version) VALUES ($1, $2, $3, 1)").await?;
-            for (ns, namespace) in state.namespaces() {
-                for (key, doc) in namespace.iter() {
-                    tx.execute(&put, &[ns, &key, &&*doc.text]).await?;
-                }
-                tx.execute("INSERT INTO namespaces VALUES ($1, 1)", &[ns]).await?;
+            // Many documents a statement: one statement a document took 17 s for a 100 MB store.
+            let put = tx
+                .prepare("INSERT INTO docs (ns, key, body, version) SELECT *, 1 FROM unnest($1::text[], $2::text[], $3::text[])")
+                .await?;
+            let docs: Vec<(&str, &str, &str)> = state
+                .namespaces()
+                .flat_map(|(ns, namespace)| namespace.iter().map(move |(key, doc)| (ns.as_str(), key, &*doc.text)))
+                .collect();
+            for chunk in docs.chunks(SEED_ROWS) {
+                let namespaces: Vec<&str> = chunk.iter().map(|d| d.0).collect();
+                let keys: Vec<&str> = chunk.iter().map(|d| d.1).collect();
+                let bodies: Vec<&str> = chunk.iter().map(|d| d.2).collect();
+                tx.execute(&put, &[&namespaces, &keys, &bodies]).await?;
             }
+            let names: Vec<&str> = state.namespaces().map(|(ns, _)| ns.as_str()).collect();
+            tx.execute("INSERT INTO namespaces SELECT *, 1 FROM unnest($1::text[])", &[&names]).await?;
             tx.execute("UPDATE meta SET value = 1 WHERE name = 'version'", &[]).await?;
             tx.commit().await?;
             Ok(true)
