@@ -484,7 +484,10 @@ impl PostgresBackend {
             .map(|r| (r.get(0), r.get(1), r.get(2), r.get::<_, i64>(3) as u64))
             .collect();
         let keys = tx
-            .query("SELECT ns, keys_version FROM namespaces WHERE keys_version > $1", &[&(since as i64)])
+            .query(
+                &tx.prepare_cached("SELECT ns, keys_version FROM namespaces WHERE keys_version > $1").await?,
+                &[&(since as i64)],
+            )
             .await?
             .iter()
             .map(|r| (r.get(0), r.get::<_, i64>(1) as u64))
@@ -730,21 +733,29 @@ impl PostgresBackend {
     }
 
     /// The first journal record, as the database holds it, of each step an earlier try
-    /// admitted: when that try's COMMIT got no answer, a record there as the step wrote it
-    /// says that it committed. Read (in one statement) only on such a retry.
+    /// admitted: when that try's COMMIT got no answer, [`FirstRecords::wrote`] tells whether
+    /// it committed. Read (in one statement) only on such a retry.
     async fn first_records_of_tried(
         tx: &impl tokio_postgres::GenericClient,
         steps: &[StepCommit],
         tried: &[Option<Vec<Change>>],
-    ) -> Result<HashMap<(String, u64), String>, Failure> {
+    ) -> Result<FirstRecords, Failure> {
         let firsts: Vec<&Event> = steps
             .iter()
             .zip(tried)
             .filter(|(_, tried)| tried.is_some())
             .filter_map(|(s, _)| s.events.first())
             .collect();
+        Self::first_records(tx, &firsts).await
+    }
+
+    /// The records of the database at the places (run, seq) of `firsts`, as it holds them.
+    async fn first_records(
+        tx: &impl tokio_postgres::GenericClient,
+        firsts: &[&Event],
+    ) -> Result<FirstRecords, Failure> {
         if firsts.is_empty() {
-            return Ok(HashMap::new());
+            return Ok(FirstRecords::default());
         }
         let runs: Vec<&str> = firsts.iter().map(|e| e.run_id.as_str()).collect();
         let seqs: Vec<i64> = firsts.iter().map(|e| e.seq as i64).collect();
@@ -755,18 +766,7 @@ impl PostgresBackend {
                 &[&runs, &seqs],
             )
             .await?;
-        Ok(rows.iter().map(|r| ((r.get(0), r.get::<_, i64>(1) as u64), r.get(2))).collect())
-    }
-
-    /// Whether an earlier try of `events`' write, whose COMMIT got no answer, committed: its
-    /// first record is there, as it wrote it.
-    async fn committed_before(tx: &impl tokio_postgres::GenericClient, events: &[Event]) -> Result<bool, Failure> {
-        let Some(first) = events.first() else { return Ok(false) };
-        let ours = serde_json::to_string(first).map_err(|e| CommitError::Backend(e.to_string()))?;
-        let row = tx
-            .query_opt("SELECT body FROM events WHERE run_id = $1 AND seq = $2", &[&first.run_id, &(first.seq as i64)])
-            .await?;
-        Ok(row.is_some_and(|r| r.get::<_, String>(0) == ours))
+        Ok(FirstRecords(rows.iter().map(|r| ((r.get(0), r.get::<_, i64>(1) as u64), r.get(2))).collect()))
     }
 
     /// Writes `pending` and `events` in a transaction of their own.
@@ -778,12 +778,13 @@ impl PostgresBackend {
             let run_ids = runs_of(pending.iter().chain(events));
             // One round trip: the BEGIN, then whether a retried write's first try committed
             // (it finds its own records), then the runs' holders.
-            let ((), committed_before, holders) = futures::try_join!(
+            let first: Vec<&Event> = events.first().filter(|_| tries > 1).into_iter().collect();
+            let ((), there, holders) = futures::try_join!(
                 async { Ok::<_, Failure>(tx.begin().await?) },
-                async { if tries > 1 { Self::committed_before(&*tx, events).await } else { Ok(false) } },
+                Self::first_records(&*tx, &first),
                 async { Ok(tx.query(&holders, &[&run_ids]).await?) },
             )?;
-            if committed_before {
+            if first.first().is_some_and(|first| there.wrote(first)) {
                 return Ok(());
             }
             let taken_over = held_elsewhere(&holders);
@@ -871,9 +872,21 @@ struct Found {
     /// one is there already.
     last_seqs: HashMap<String, u64>,
     /// The first records of steps an earlier try admitted, as the database holds them.
-    tried_first: HashMap<(String, u64), String>,
+    tried_first: FirstRecords,
     /// Runs of the steps that another process holds now, with their holders.
     taken_over: HashMap<String, String>,
+}
+
+/// Journal records as the database holds them, by run and sequence number.
+#[derive(Default)]
+struct FirstRecords(HashMap<(String, u64), String>);
+
+impl FirstRecords {
+    /// Whether `first` is there as it was written: the try that wrote it committed.
+    fn wrote(&self, first: &Event) -> bool {
+        let there = self.0.get(&(first.run_id.clone(), first.seq));
+        there.is_some_and(|body| serde_json::to_string(first).is_ok_and(|ours| *body == ours))
+    }
 }
 
 /// What a group's admitted steps write, gathered step by step on the state they meet.
@@ -924,8 +937,7 @@ impl<'s> GroupWrites<'s> {
     ) -> Result<Vec<Change>, CommitError> {
         // An earlier try whose COMMIT got no answer wrote it: its first record is there, as it wrote it.
         if let (Some(previous), Some(first)) = (tried.as_ref(), step.events.first())
-            && let Some(body) = found.tried_first.get(&(first.run_id.clone(), first.seq))
-            && serde_json::to_string(first).is_ok_and(|ours| *body == ours)
+            && found.tried_first.wrote(first)
         {
             return Ok(previous.clone());
         }
